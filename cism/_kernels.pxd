@@ -1,0 +1,96 @@
+# Cython mirror of csrc/formats.h and csrc/kernels.h (the one place the C
+# storage formats and kernel signatures are declared for Cython).
+from libc.stdint cimport int8_t, int16_t, int32_t, uint8_t, uint16_t
+
+cdef extern from "formats.h" nogil:
+    enum:
+        CISM_FP32
+        CISM_FP16
+        CISM_INT8
+        CISM_INT4
+        CISM_FP4
+        CISM_NUM_STORAGES
+        CISM_SLACK
+        CISM_INT4_BLOCK
+        CISM_FP4_BLOCK
+        CISM_ACT_BLOCK
+
+    ctypedef struct cism_mat:
+        int32_t storage
+        size_t rows, cols
+        const void *codes
+        size_t row_bytes
+        const float *scales
+        const uint8_t *fp4_scales
+
+    size_t cism_div_up(size_t a, size_t b)
+    size_t cism_row_bytes(int storage, size_t cols)
+    float cism_fp16_to_f32(uint16_t h)
+    uint16_t cism_f32_to_fp16(float f)
+    float cism_e4m3_to_f32(uint8_t b)
+    uint8_t cism_f32_to_e4m3(float x)
+
+cdef extern from "kernels.h" nogil:
+    enum:
+        CISM_ACT_PAD
+        CISM_ISA_REF
+        CISM_ISA_AVX2
+        CISM_ISA_AVX512
+        CISM_ISA_AVX512VNNI
+
+    size_t cism_act_len(size_t n)
+
+    ctypedef struct cism_act:
+        const float *x
+        size_t ldx
+        const int16_t *q16
+        const int8_t *q8
+        const float *qscale
+        size_t ldq, ldqs
+
+    ctypedef void (*cism_gemm_fn)(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                  size_t T, float *Y, size_t ldy) noexcept nogil
+    ctypedef float (*cism_dot_fn)(const float *a, const float *b, size_t n) noexcept nogil
+    ctypedef void (*cism_axpy_fn)(float a, const float *x, float *y, size_t n) noexcept nogil
+    ctypedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales) noexcept nogil
+    ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
+    ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
+    ctypedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n) noexcept nogil
+
+    ctypedef struct cism_kernels:
+        cism_gemm_fn gemm[5]
+        cism_gemm_fn gemm_int8_q8
+        cism_gemm_fn gemm_int4_q16
+        cism_gemm_fn gemm_fp4_q16
+        cism_dot_fn dot
+        cism_axpy_fn axpy
+        cism_quant16_fn quant16
+        cism_quant8_fn quant8
+        cism_unary_fn exp
+        cism_unary_fn sigmoid
+        cism_unary_fn silu
+        cism_unary_fn gelu
+        cism_binary_fn silu_mul
+        cism_binary_fn sigmoid_mul
+        const char *name_gemm
+        const char *name_gemm_q
+        const char *name_dot
+        const char *name_quant
+        const char *name_act
+
+    ctypedef struct cism_cpu:
+        int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile
+        int os_avx, os_avx512, os_amx
+
+    int cism_init()
+    const cism_kernels *cism_table()
+    const cism_cpu *cism_cpu_features()
+    int cism_isa_level()
+    int cism_isa_max()
+    const char *cism_isa_name(int level)
+    const char *cism_isa_error()
+    int cism_set_isa(int level)
+
+# The dispatch table, filled once when cism._kernels is imported. Other
+# modules cimport this function, so every module shares one table.
+cdef const cism_kernels *kernel_table() noexcept nogil

@@ -1,0 +1,170 @@
+"""The kernel dispatch table and what the runtime found.
+
+Importing this module fills the table once (reference kernels first, then
+the best variants the CPU and the OS support, capped by CISM_ISA). Every other
+Cython module reaches the kernels through ``kernel_table()``.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport int8_t, int16_t
+
+cnp.import_array()
+
+cdef extern from "omp_shim.h" nogil:
+    int cism_omp_available()
+    int cism_omp_max_threads()
+
+OPENMP = bool(cism_omp_available())
+
+if cism_init() != 0:
+    import warnings
+    warnings.warn(cism_isa_error().decode() + "; using the reference kernels", RuntimeWarning)
+
+cdef const cism_kernels *kernel_table() noexcept nogil:
+    return cism_table()
+
+ISA_LEVELS = ("ref", "avx2", "avx512", "avx512vnni")
+
+
+def isa():
+    """Name of the ISA level whose kernels are in use."""
+    return cism_isa_name(cism_isa_level()).decode()
+
+
+def isa_max():
+    """Highest ISA level this CPU and OS support."""
+    return cism_isa_name(cism_isa_max()).decode()
+
+
+def available_isas():
+    """ISA levels this machine can run, lowest first."""
+    return ISA_LEVELS[: cism_isa_max() + 1]
+
+
+def set_isa(name):
+    """Refill the dispatch table at the given level (for tests and benchmarks).
+
+    Not safe while another thread runs kernels.
+    """
+    if name not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA {name!r}; choose one of {', '.join(ISA_LEVELS)}")
+    if cism_set_isa(ISA_LEVELS.index(name)) != 0:
+        raise ValueError(f"ISA {name!r} is not supported by this CPU/OS (highest: {isa_max()})")
+
+
+def cpu_features():
+    """CPU features usable by this process (CPUID and XGETBV both agree)."""
+    cdef const cism_cpu *c = cism_cpu_features()
+    return {
+        "avx2": bool(c.avx2), "fma": bool(c.fma), "f16c": bool(c.f16c),
+        "avx512f": bool(c.avx512f), "avx512bw": bool(c.avx512bw),
+        "avx512vl": bool(c.avx512vl), "avx512dq": bool(c.avx512dq),
+        "avx512vnni": bool(c.avx512vnni), "avx_vnni": bool(c.avx_vnni),
+        "amx_tile (OS state)": bool(c.amx_tile),
+    }
+
+
+def kernel_variants():
+    """Which variant fills each kernel family."""
+    cdef const cism_kernels *k = cism_table()
+    return {
+        "gemm (fp32 activations)": k.name_gemm.decode(),
+        "gemm (int8 activations)": k.name_gemm_q.decode(),
+        "dot/axpy (attention)": k.name_dot.decode(),
+        "activation quantization": k.name_quant.decode(),
+        "vector activations": k.name_act.decode(),
+    }
+
+
+def openmp_max_threads():
+    return cism_omp_max_threads()
+
+
+# ---- thin wrappers used by tests and benchmarks ----
+
+cdef cnp.ndarray _f32(x, name):
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional")
+    return a
+
+
+def activation(str name, x, y=None):
+    """Apply a vector activation: exp, sigmoid, silu, gelu (one input) or
+    silu_mul, sigmoid_mul (two inputs: f(x) * y)."""
+    cdef const cism_kernels *k = cism_table()
+    cdef cnp.ndarray a = _f32(x, "x")
+    cdef cnp.ndarray out = np.empty_like(a)
+    cdef cnp.ndarray b
+    cdef size_t n = a.shape[0]
+    cdef cism_unary_fn f1 = NULL
+    cdef cism_binary_fn f2 = NULL
+    if name == "exp": f1 = k.exp
+    elif name == "sigmoid": f1 = k.sigmoid
+    elif name == "silu": f1 = k.silu
+    elif name == "gelu": f1 = k.gelu
+    elif name == "silu_mul": f2 = k.silu_mul
+    elif name == "sigmoid_mul": f2 = k.sigmoid_mul
+    else:
+        raise ValueError(f"unknown activation {name!r}")
+    if f1 != NULL:
+        if y is not None:
+            raise ValueError(f"{name} takes one input")
+        with nogil:
+            f1(<const float*>cnp.PyArray_DATA(a), <float*>cnp.PyArray_DATA(out), n)
+    else:
+        if y is None:
+            raise ValueError(f"{name} takes two inputs")
+        b = _f32(y, "y")
+        if b.shape[0] != a.shape[0]:
+            raise ValueError("x and y must have the same length")
+        with nogil:
+            f2(<const float*>cnp.PyArray_DATA(a), <const float*>cnp.PyArray_DATA(b),
+               <float*>cnp.PyArray_DATA(out), n)
+    return out
+
+
+def dot(a, b):
+    """The canonical fp32 dot product used by attention."""
+    cdef cnp.ndarray x = _f32(a, "a")
+    cdef cnp.ndarray y = _f32(b, "b")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError("a and b must have the same length")
+    return cism_table().dot(<const float*>cnp.PyArray_DATA(x), <const float*>cnp.PyArray_DATA(y),
+                            x.shape[0])
+
+
+def axpy(float alpha, x, y):
+    """Return y + alpha * x with one rounding per element (fma)."""
+    cdef cnp.ndarray a = _f32(x, "x")
+    cdef cnp.ndarray out = _f32(y, "y").copy()
+    if a.shape[0] != out.shape[0]:
+        raise ValueError("x and y must have the same length")
+    cism_table().axpy(alpha, <const float*>cnp.PyArray_DATA(a), <float*>cnp.PyArray_DATA(out),
+                      a.shape[0])
+    return out
+
+
+def quantize(x, int bits):
+    """Quantize an activation row as the int8 activation paths do.
+
+    bits=16: int16 codes (32767/absmax per 32-block); bits=8: int8 codes
+    (127/absmax). Returns (codes padded to a multiple of 64, block scales).
+    """
+    cdef cnp.ndarray a = _f32(x, "x")
+    cdef size_t n = a.shape[0]
+    cdef size_t length = cism_act_len(n)
+    cdef cnp.ndarray scales = np.zeros(length // 32, dtype=np.float32)
+    cdef cnp.ndarray codes
+    if bits == 16:
+        codes = np.zeros(length, dtype=np.int16)
+        cism_table().quant16(<const float*>cnp.PyArray_DATA(a), n,
+                             <int16_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
+    elif bits == 8:
+        codes = np.zeros(length, dtype=np.int8)
+        cism_table().quant8(<const float*>cnp.PyArray_DATA(a), n,
+                            <int8_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
+    else:
+        raise ValueError("bits must be 8 or 16")
+    return codes, scales

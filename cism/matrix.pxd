@@ -1,0 +1,35 @@
+# C-level matrix products for the model modules (cimport cism.matrix).
+from libc.stdint cimport int8_t, int16_t, uint8_t
+from cism._kernels cimport cism_mat
+
+# Per-caller scratch for quantized activations. Every session owns one, so
+# concurrent sessions never share buffers. Zero-initialise, free with
+# scratch_free().
+ctypedef struct Scratch:
+    int16_t *q16
+    int8_t *q8
+    float *qs16
+    float *qs8
+    size_t cap16, cap8, caps16, caps8
+
+cdef void scratch_free(Scratch *s) noexcept nogil
+
+# Y_i[t*ldy_i + r] = row r of W_i . X[t], for count matrices sharing one
+# input: one parallel pass over all their rows (fused q/k/v, gate/up).
+# act_q8 selects the quantized-activation kernels for integer storages.
+# Returns 0, or -1 when scratch memory could not be allocated.
+cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, bint act_q8,
+                    const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil
+cdef int gemm1(const cism_mat *W, bint act_q8, const float *X, size_t ldx, size_t T,
+               float *Y, size_t ldy, Scratch *s, int threads) noexcept nogil
+# Row i of W (fp32/fp16/int8 only) into out[cols].
+cdef void mat_row(const cism_mat *W, size_t i, float *out) noexcept nogil
+
+cdef class Matrix:
+    cdef cism_mat mat
+    cdef void *codes_buf
+    cdef float *scales_buf
+    cdef uint8_t *fp4_buf
+    cdef size_t nbytes_
+    cdef bint act_q8
+    cdef str storage_name

@@ -1,0 +1,403 @@
+"""Packed weight matrices and their products (``cism.matrix.Matrix``).
+
+A Matrix packs a float32 (rows, cols) array into one storage (fp32, fp16,
+int8, int4, fp4; layouts in csrc/formats.h) and multiplies it with activation
+rows. Rows fan out over OpenMP threads in contiguous chunks; each row is
+computed by one thread with the arithmetic of the scalar reference, so
+results are bitwise identical for every thread count and every number of
+tokens (a gemm row equals the gemv of that token).
+"""
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange
+from libc.stdint cimport int8_t, int16_t, uint8_t, uint16_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+from cpython.ref cimport Py_INCREF
+
+from cism._kernels cimport (
+    CISM_FP16, CISM_FP32, CISM_FP4, CISM_INT4, CISM_INT8, CISM_SLACK, cism_act, cism_act_len,
+    cism_div_up, cism_gemm_fn, cism_kernels, cism_mat, cism_row_bytes, kernel_table)
+from cism._threads import resolve_threads
+
+cnp.import_array()
+
+cdef extern from "pack.h" nogil:
+    void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, size_t r1,
+                        void *codes, float *scales, uint8_t *fp4_scales)
+    void cism_unpack_row(const cism_mat *W, size_t r, float *out)
+
+cdef extern from "<stdlib.h>" nogil:
+    void *aligned_alloc(size_t alignment, size_t size)
+
+STORAGES = ("fp32", "fp16", "int8", "int4", "fp4")
+MAX_ROWS = 2_000_000      # the largest vocabulary the configs accept
+MAX_COLS = 262_144        # the largest intermediate size the configs accept
+MAX_SOURCE_BYTES = 64 << 30
+
+# Rows per parallel work item: a multiple of every kernel's row group.
+DEF CHUNK = 32
+# Below this many multiply-adds a parallel region costs more than it saves.
+DEF PARALLEL_MIN_WORK = 65536
+
+
+cdef void *alloc_zeroed(size_t nbytes) noexcept nogil:
+    """64-byte aligned, with CISM_SLACK zero bytes after the payload."""
+    cdef size_t total = cism_div_up(nbytes + CISM_SLACK, 64) * 64
+    cdef void *p = aligned_alloc(64, total)
+    if p != NULL:
+        memset(p, 0, total)
+    return p
+
+
+cdef void scratch_free(Scratch *s) noexcept nogil:
+    free(s.q16)
+    free(s.q8)
+    free(s.qs16)
+    free(s.qs8)
+    memset(s, 0, sizeof(Scratch))
+
+
+cdef int grow(void **p, size_t *cap, size_t need) noexcept nogil:
+    cdef void *q
+    if need <= cap[0]:
+        return 0
+    q = realloc(p[0], need)
+    if q == NULL:
+        return -1
+    p[0] = q
+    cap[0] = need
+    return 0
+
+
+cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, bint act_q8) noexcept nogil:
+    if act_q8:
+        if W.storage == CISM_INT8:
+            return k.gemm_int8_q8
+        if W.storage == CISM_INT4:
+            return k.gemm_int4_q16
+        if W.storage == CISM_FP4:
+            return k.gemm_fp4_q16
+    return k.gemm[W.storage]
+
+
+cdef inline const cism_act *pick_act(const cism_mat *W, bint act_q8, const cism_act *a32,
+                                     const cism_act *a16, const cism_act *a8) noexcept nogil:
+    if act_q8:
+        if W.storage == CISM_INT8:
+            return a8
+        if W.storage == CISM_INT4 or W.storage == CISM_FP4:
+            return a16
+    return a32
+
+
+cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, bint act_q8,
+                    const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil:
+    cdef const cism_kernels *k = kernel_table()
+    cdef size_t cols = W[0].cols
+    cdef size_t qlen = cism_act_len(cols)
+    cdef size_t qblocks = qlen // 32
+    cdef bint need16 = False, need8 = False
+    cdef int i, m
+    cdef size_t t, c, total = 0, work = 0, first, r0, r1
+    cdef size_t starts[9]
+    cdef cism_act a32, a16, a8
+    cdef cism_gemm_fn fn
+    if count < 1 or count > 8:
+        return -1
+    for i in range(count):
+        if act_q8 and W[i].storage == CISM_INT8:
+            need8 = True
+        elif act_q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
+            need16 = True
+        starts[i] = total
+        total += cism_div_up(W[i].rows, CHUNK)
+        work += W[i].rows * cols
+    starts[count] = total
+    memset(&a32, 0, sizeof(cism_act))
+    a32.x = X
+    a32.ldx = ldx
+    a16 = a32
+    a8 = a32
+    if T == 0:
+        return 0
+    if need16:
+        if grow(<void**>&s.q16, &s.cap16, T * qlen * sizeof(int16_t)) or \
+                grow(<void**>&s.qs16, &s.caps16, T * qblocks * sizeof(float)):
+            return -1
+        if threads > 1 and T > 1:
+            for t in prange(T, schedule='static', num_threads=threads):
+                k.quant16(X + t * ldx, cols, s.q16 + t * qlen, s.qs16 + t * qblocks)
+        else:
+            for t in range(T):
+                k.quant16(X + t * ldx, cols, s.q16 + t * qlen, s.qs16 + t * qblocks)
+        a16.q16 = s.q16
+        a16.qscale = s.qs16
+        a16.ldq = qlen
+        a16.ldqs = qblocks
+    if need8:
+        if grow(<void**>&s.q8, &s.cap8, T * qlen) or \
+                grow(<void**>&s.qs8, &s.caps8, T * qblocks * sizeof(float)):
+            return -1
+        if threads > 1 and T > 1:
+            for t in prange(T, schedule='static', num_threads=threads):
+                k.quant8(X + t * ldx, cols, s.q8 + t * qlen, s.qs8 + t * qblocks)
+        else:
+            for t in range(T):
+                k.quant8(X + t * ldx, cols, s.q8 + t * qlen, s.qs8 + t * qblocks)
+        a8.q8 = s.q8
+        a8.qscale = s.qs8
+        a8.ldq = qlen
+        a8.ldqs = qblocks
+    if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
+        for c in prange(total, schedule='static', num_threads=threads):
+            m = 0
+            while c >= starts[m + 1]:
+                m = m + 1
+            r0 = (c - starts[m]) * CHUNK
+            r1 = r0 + CHUNK
+            if r1 > W[m].rows:
+                r1 = W[m].rows
+            fn = pick_kernel(k, W[m], act_q8)
+            fn(W[m], r0, r1, pick_act(W[m], act_q8, &a32, &a16, &a8), T, Y[m], ldy[m])
+    else:
+        for i in range(count):
+            fn = pick_kernel(k, W[i], act_q8)
+            fn(W[i], 0, W[i].rows, pick_act(W[i], act_q8, &a32, &a16, &a8), T, Y[i], ldy[i])
+    return 0
+
+
+cdef int gemm1(const cism_mat *W, bint act_q8, const float *X, size_t ldx, size_t T,
+               float *Y, size_t ldy, Scratch *s, int threads) noexcept nogil:
+    return gemm_multi(&W, &Y, &ldy, 1, act_q8, X, ldx, T, s, threads)
+
+
+cdef void mat_row(const cism_mat *W, size_t i, float *out) noexcept nogil:
+    cism_unpack_row(W, i, out)
+
+
+cdef object numpy_view(object owner, void *data, int ndim, cnp.npy_intp *shape, int typenum):
+    arr = cnp.PyArray_SimpleNewFromData(ndim, shape, typenum, data)
+    Py_INCREF(owner)
+    cnp.PyArray_SetBaseObject(arr, owner)
+    arr.flags.writeable = False
+    return arr
+
+
+def _storage_index(storage):
+    if not isinstance(storage, str) or storage not in STORAGES:
+        raise ValueError(f"unknown storage {storage!r}; choose one of {', '.join(STORAGES)}")
+    return STORAGES.index(storage)
+
+
+def _check_act_precision(value):
+    if value not in ("fp32", "int8"):
+        raise ValueError(f"act_precision must be fp32 or int8, got {value!r}")
+    return value == "int8"
+
+
+cdef class Matrix:
+    """A packed weight matrix.
+
+    ``Matrix(values, storage)`` packs a C-contiguous float32 ``(rows, cols)``
+    array as ``fp32``, ``fp16``, ``int8``, ``int4`` or ``fp4``.
+    """
+
+    def __cinit__(self):
+        self.codes_buf = NULL
+        self.scales_buf = NULL
+        self.fp4_buf = NULL
+
+    def __init__(self, values, storage="fp32", threads=None):
+        cdef int s = _storage_index(storage)
+        cdef int nt = resolve_threads(threads)
+        if not isinstance(values, np.ndarray):
+            raise ValueError(f"values must be a numpy float32 array, got {type(values).__name__}")
+        if values.dtype != np.float32:
+            raise ValueError(f"values must be float32, got {values.dtype}")
+        if values.ndim != 2:
+            raise ValueError(f"values must be two-dimensional (rows, cols), got shape {values.shape}")
+        if not values.flags.c_contiguous:
+            raise ValueError("values must be C-contiguous (use numpy.ascontiguousarray)")
+        rows, cols = values.shape
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows must be in [1, {MAX_ROWS}], got {rows}")
+        if not 1 <= cols <= MAX_COLS:
+            raise ValueError(f"cols must be in [1, {MAX_COLS}], got {cols}")
+        if rows * cols * 4 > MAX_SOURCE_BYTES:
+            raise ValueError("matrix exceeds the 64 GiB weight safety limit")
+        if not np.isfinite(values).all():
+            bad = np.argwhere(~np.isfinite(values))[0]
+            raise ValueError(f"values must be finite; found {values[tuple(bad)]} at {tuple(bad)}")
+        self.storage_name = STORAGES[s]
+        self.act_q8 = False
+        cdef size_t R = rows, C = cols
+        cdef size_t row_bytes = cism_row_bytes(s, C)
+        cdef size_t nscales = R if s == CISM_INT8 else (R * cism_div_up(C, 32) if s == CISM_INT4 else 0)
+        cdef size_t nfp4 = R * cism_div_up(C, 16) if s == CISM_FP4 else 0
+        self.codes_buf = alloc_zeroed(R * row_bytes)
+        if nscales:
+            self.scales_buf = <float*>alloc_zeroed(nscales * sizeof(float))
+        if nfp4:
+            self.fp4_buf = <uint8_t*>alloc_zeroed(nfp4)
+        if self.codes_buf == NULL or (nscales and self.scales_buf == NULL) or (nfp4 and self.fp4_buf == NULL):
+            raise MemoryError(f"cannot allocate a {rows}x{cols} {self.storage_name} matrix "
+                              f"({R * row_bytes + nscales * 4 + nfp4} bytes)")
+        self.nbytes_ = R * row_bytes + nscales * sizeof(float) + nfp4
+        self.mat.storage = s
+        self.mat.rows = R
+        self.mat.cols = C
+        self.mat.codes = self.codes_buf
+        self.mat.row_bytes = row_bytes
+        self.mat.scales = self.scales_buf
+        self.mat.fp4_scales = self.fp4_buf
+        cdef const float *src = <const float*>cnp.PyArray_DATA(values)
+        cdef size_t c, nchunks = cism_div_up(R, 256), r0, r1
+        with nogil:
+            if nt > 1 and nchunks > 1:
+                for c in prange(nchunks, schedule='dynamic', num_threads=nt):
+                    r0 = c * 256
+                    r1 = r0 + 256
+                    if r1 > R:
+                        r1 = R
+                    cism_pack_rows(s, src, C, r0, r1, self.codes_buf, self.scales_buf, self.fp4_buf)
+            else:
+                cism_pack_rows(s, src, C, 0, R, self.codes_buf, self.scales_buf, self.fp4_buf)
+
+    def __dealloc__(self):
+        free(self.codes_buf)
+        free(self.scales_buf)
+        free(self.fp4_buf)
+
+    @property
+    def rows(self):
+        return self.mat.rows
+
+    @property
+    def cols(self):
+        return self.mat.cols
+
+    @property
+    def shape(self):
+        return (self.mat.rows, self.mat.cols)
+
+    @property
+    def storage(self):
+        return self.storage_name
+
+    @property
+    def nbytes(self):
+        """Bytes of packed weights and scales (what one full product streams)."""
+        return self.nbytes_
+
+    @property
+    def act_precision(self):
+        """``"fp32"`` or ``"int8"``: integer storages quantize activations per
+        32-element block when ``"int8"`` (fp32/fp16 storages ignore it)."""
+        return "int8" if self.act_q8 else "fp32"
+
+    @act_precision.setter
+    def act_precision(self, value):
+        self.act_q8 = _check_act_precision(value)
+
+    def __repr__(self):
+        return (f"Matrix(rows={self.mat.rows}, cols={self.mat.cols}, storage={self.storage_name!r}, "
+                f"act_precision={self.act_precision!r})")
+
+    def _input(self, X, int ndim):
+        if not isinstance(X, np.ndarray):
+            X = np.asarray(X)
+        if X.dtype != np.float32:
+            raise ValueError(f"input must be float32, got {X.dtype}")
+        if X.ndim != ndim:
+            raise ValueError(f"input must be {ndim}-dimensional, got shape {X.shape}")
+        if X.shape[X.ndim - 1] != self.mat.cols:
+            raise ValueError(f"input has {X.shape[X.ndim - 1]} columns, matrix has {self.mat.cols}")
+        if not np.isfinite(X).all():
+            raise ValueError("input must be finite")
+        return np.ascontiguousarray(X)
+
+    def gemv(self, x, threads=None):
+        """W @ x for a float32 vector of length cols; returns (rows,) float32."""
+        return self.gemm(self._input(x, 1)[None, :], threads)[0]
+
+    def gemm(self, X, threads=None):
+        """X @ W.T for float32 (T, cols) activations; returns (T, rows).
+
+        Each weight row is streamed once for all T tokens, and row t of the
+        result equals ``gemv(X[t])`` bit for bit."""
+        cdef int nt = resolve_threads(threads)
+        cdef cnp.ndarray Xc = self._input(X, 2)
+        cdef size_t T = Xc.shape[0]
+        cdef cnp.ndarray out = np.empty((T, self.mat.rows), dtype=np.float32)
+        cdef Scratch s
+        cdef int rc
+        memset(&s, 0, sizeof(Scratch))
+        with nogil:
+            rc = gemm1(&self.mat, self.act_q8, <const float*>cnp.PyArray_DATA(Xc), self.mat.cols, T,
+                       <float*>cnp.PyArray_DATA(out), self.mat.rows, &s, nt)
+            scratch_free(&s)
+        if rc != 0:
+            raise MemoryError("cannot allocate activation scratch")
+        return out
+
+    def row(self, i):
+        """Row i as float32 (fp32/fp16/int8 storages: embedding gathers)."""
+        if self.mat.storage == CISM_INT4 or self.mat.storage == CISM_FP4:
+            raise ValueError(f"row() needs fp32, fp16 or int8 storage, not {self.storage_name} "
+                             "(embeddings are never stored at 4 bits)")
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.mat.rows:
+            raise ValueError(f"row index {i!r} is out of range [0, {self.mat.rows})")
+        cdef cnp.ndarray out = np.empty(self.mat.cols, dtype=np.float32)
+        mat_row(&self.mat, <size_t>i, <float*>cnp.PyArray_DATA(out))
+        return out
+
+    def dequantize(self):
+        """The whole matrix as float32, exactly as the kernels see it."""
+        cdef cnp.ndarray out = np.empty((self.mat.rows, self.mat.cols), dtype=np.float32)
+        cdef float *p = <float*>cnp.PyArray_DATA(out)
+        cdef size_t r
+        with nogil:
+            for r in range(self.mat.rows):
+                cism_unpack_row(&self.mat, r, p + r * self.mat.cols)
+        return out
+
+    @property
+    def codes(self):
+        """Read-only view of the packed codes (layout: csrc/formats.h)."""
+        cdef cnp.npy_intp shape[3]
+        shape[0] = self.mat.rows
+        s = self.mat.storage
+        if s == CISM_FP32:
+            shape[1] = self.mat.cols
+            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_FLOAT32)
+        if s == CISM_FP16:
+            shape[1] = self.mat.cols
+            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_UINT16)
+        if s == CISM_INT8:
+            shape[1] = self.mat.cols
+            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_INT8)
+        if s == CISM_INT4:
+            shape[1] = cism_div_up(self.mat.cols, 32)
+            shape[2] = 16
+            return numpy_view(self, self.codes_buf, 3, shape, cnp.NPY_UINT8)
+        shape[1] = self.mat.row_bytes
+        return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_UINT8)
+
+    @property
+    def scales(self):
+        """Read-only view of the scales: int8 (rows,), int4 (rows, blocks32)
+        float32, fp4 (rows, blocks16) E4M3 bytes; None for fp32/fp16."""
+        cdef cnp.npy_intp shape[2]
+        shape[0] = self.mat.rows
+        s = self.mat.storage
+        if s == CISM_INT8:
+            return numpy_view(self, self.scales_buf, 1, shape, cnp.NPY_FLOAT32)
+        if s == CISM_INT4:
+            shape[1] = cism_div_up(self.mat.cols, 32)
+            return numpy_view(self, self.scales_buf, 2, shape, cnp.NPY_FLOAT32)
+        if s == CISM_FP4:
+            shape[1] = cism_div_up(self.mat.cols, 16)
+            return numpy_view(self, self.fp4_buf, 2, shape, cnp.NPY_UINT8)
+        return None

@@ -1,0 +1,161 @@
+/* Weight storage formats: the single definition of every packed layout.
+ *
+ * The Cython side mirrors this header in cism/_capi.pxd; the packing rules
+ * live in pack.c and the NumPy re-implementation in tests/test_packing.py.
+ *
+ * All packed buffers are 64-byte aligned and followed by CISM_SLACK zero
+ * bytes, so SIMD kernels may read a whole vector past the last row without
+ * leaving the allocation. Kernels multiply any over-read element by a zero
+ * activation, so the slack never changes a result.
+ */
+#ifndef CISM_FORMATS_H
+#define CISM_FORMATS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CISM_SLACK 128
+
+typedef enum {
+    CISM_FP32 = 0, /* float[rows][cols] */
+    CISM_FP16 = 1, /* uint16 IEEE binary16 [rows][cols], round to nearest even */
+    CISM_INT8 = 2, /* int8[rows][cols] + float scale[rows]:
+                      scale = max(absmax/127, FLT_TRUE_MIN) (1 for an all-zero row),
+                      code = clamp(roundf(x/scale), -127, 127) (half away from zero) */
+    CISM_INT4 = 3, /* per 32-element block: 16 code bytes + one float scale.
+                      scale = (signed value of largest magnitude) / -8 (1 for an all-zero block),
+                      code = clamp(trunc(x/scale + 8.5), 0, 15), value = (code-8)*scale.
+                      Byte t of a block holds element t in its low nibble and
+                      element t+16 in its high nibble. Every block takes 16 bytes,
+                      a partial tail block too (missing elements keep code 0).
+                      codes: uint8[rows][blocks32][16], scales: float[rows][blocks32] */
+    CISM_FP4 = 4   /* E2M1 nibbles, one E4M3 scale byte per 16 elements.
+                      scale byte = E4M3 nearest-even encoding of absmax/6 (subnormals kept,
+                      saturating at 448), element = nearest of the 8 E2M1 magnitudes of
+                      |x|/scale (ties to the smaller), sign in bit 3. Element j of a row
+                      sits in byte j/2, low nibble for even j, high for odd j.
+                      codes: uint8[rows][(cols+1)/2], scales: uint8[rows][blocks16] */
+} cism_storage;
+
+#define CISM_NUM_STORAGES 5
+#define CISM_INT4_BLOCK 32
+#define CISM_INT4_BLOCK_BYTES 16
+#define CISM_FP4_BLOCK 16
+#define CISM_ACT_BLOCK 32 /* quantized-activation block (int16 and int8 paths) */
+
+_Static_assert(CISM_INT4_BLOCK_BYTES * 2 == CISM_INT4_BLOCK, "two int4 codes per byte");
+_Static_assert(CISM_FP4_BLOCK % 2 == 0, "fp4 blocks hold whole bytes");
+_Static_assert(CISM_ACT_BLOCK == CISM_INT4_BLOCK, "int4 weights and activations share blocks");
+_Static_assert(CISM_ACT_BLOCK == 2 * CISM_FP4_BLOCK, "two fp4 scale blocks per activation block");
+_Static_assert(sizeof(float) == 4 && sizeof(uint16_t) == 2, "IEEE binary32/binary16 sizes");
+
+/* A packed matrix as the kernels see it. Row r of the codes starts at
+ * codes + r * row_bytes. */
+typedef struct cism_mat {
+    int32_t storage;
+    size_t rows, cols;
+    const void *codes;
+    size_t row_bytes;
+    const float *scales;        /* int8: [rows]; int4: [rows][blocks32]; else NULL */
+    const uint8_t *fp4_scales;  /* fp4: [rows][blocks16]; else NULL */
+} cism_mat;
+
+static inline size_t cism_div_up(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* Bytes of one packed row of codes. */
+static inline size_t cism_row_bytes(int storage, size_t cols) {
+    switch (storage) {
+    case CISM_FP32: return cols * 4;
+    case CISM_FP16: return cols * 2;
+    case CISM_INT8: return cols;
+    case CISM_INT4: return cism_div_up(cols, CISM_INT4_BLOCK) * CISM_INT4_BLOCK_BYTES;
+    default: return (cols + 1) / 2;
+    }
+}
+
+/* ---- exact scalar conversions shared by packing, kernels and row() ---- */
+
+static inline float cism_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t cism_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* IEEE binary16 -> binary32, exact (subnormals, inf and NaN included). */
+static inline float cism_fp16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t man = h & 0x3ffu;
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24, exact in binary32 */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return cism_bits_to_f32(cism_f32_to_bits(v) | sign);
+    }
+    if (exp == 31) return cism_bits_to_f32(sign | 0x7f800000u | (man << 13));
+    return cism_bits_to_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* binary32 -> binary16, round to nearest even (same as F16C vcvtps2ph imm 0). */
+static inline uint16_t cism_f32_to_fp16(float f) {
+    const uint32_t u = cism_f32_to_bits(f);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t abs = u & 0x7fffffffu;
+    if (abs >= 0x7f800000u) /* inf or NaN (quiet the NaN) */
+        return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u | ((abs >> 13) & 0x3ffu) : 0);
+    if (abs >= 0x477ff000u) return sign | 0x7c00u; /* rounds to >= 65520: inf */
+    if (abs < 0x38800000u) {
+        /* result is subnormal or zero: round abs * 2^24 to an integer, nearest even */
+        if (abs < 0x33000000u) return sign; /* below half the smallest subnormal */
+        const uint32_t e = abs >> 23;
+        const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - e; /* 14..24 */
+        uint32_t q = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1);
+        const uint32_t half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return sign | (uint16_t)q;
+    }
+    /* normal: rebias the exponent, round the 13 dropped mantissa bits */
+    uint32_t r = abs - 0x38000000u; /* exponent bias 127 -> 15 */
+    const uint32_t rem = r & 0x1fffu;
+    r >>= 13;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+    return sign | (uint16_t)r;
+}
+
+/* E4M3 (bias 7, no infinities, 0x7f/0xff NaN) -> binary32, exact. */
+static inline float cism_e4m3_to_f32(uint8_t b) {
+    const uint32_t exp = (b >> 3) & 0xfu;
+    const uint32_t man = b & 7u;
+    float v;
+    if (exp == 0) v = (float)man * 0.001953125f; /* man/8 * 2^-6 */
+    else v = cism_bits_to_f32(((exp + 120) << 23) | (man << 20));
+    return (b & 0x80u) ? -v : v;
+}
+
+/* Non-negative binary32 -> E4M3, nearest even, subnormals kept, saturating
+ * at 448 (0x7e). Only non-negative scales are ever encoded. */
+static inline uint8_t cism_f32_to_e4m3(float x) {
+    if (!(x > 0.0f)) return 0;
+    if (x >= 448.0f) return 0x7e;
+    if (x < 0.015625f) {
+        /* subnormal range: multiples of 2^-9; 8 * 2^-9 is the smallest normal (code 8) */
+        float q = x * 512.0f;
+        float r = __builtin_rintf(q);
+        return (uint8_t)(int)r;
+    }
+    const uint32_t u = cism_f32_to_bits(x);
+    uint32_t e = (u >> 23) - 127 + 7;       /* 1..15 */
+    const uint32_t man = u & 0x7fffffu;
+    uint32_t m = man >> 20;                   /* top 3 mantissa bits */
+    const uint32_t rem = man & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (m & 1u))) m++;
+    if (m == 8) { m = 0; e++; }
+    uint32_t code = (e << 3) | m;
+    if (code > 0x7e) code = 0x7e;
+    return (uint8_t)code;
+}
+
+/* 2 x E2M1 magnitude for codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 doubled, so
+ * every element is a small integer; kernels fold the 1/2 into the scale. */
+static const int8_t cism_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+#endif

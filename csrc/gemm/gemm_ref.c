@@ -1,0 +1,210 @@
+/* Scalar reference of the gemm family: products of packed weight rows with
+ * activation rows, the attention dot/axpy, and activation quantization.
+ * This file IS the arithmetic contract of kernels.h; every SIMD variant must
+ * return exactly what these loops return. Compiled without any -m flag. */
+#include "../kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* Canonical dot of a dequantized weight row with an activation row. */
+static float dot16(const float *w, const float *x, size_t n) {
+    float acc[16] = {0};
+    for (size_t i = 0; i < n; i++) acc[i % 16] = fmaf(w[i], x[i], acc[i % 16]);
+    return cism_reduce16(acc);
+}
+
+/* Row r of W as floats (int8 without its row scale). */
+static void dequant_row(const cism_mat *W, size_t r, float *out) {
+    const size_t n = W->cols;
+    const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
+    switch (W->storage) {
+    case CISM_FP32:
+        memcpy(out, row, n * sizeof(float));
+        break;
+    case CISM_FP16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * i, 2);
+            out[i] = cism_fp16_to_f32(h);
+        }
+        break;
+    case CISM_INT8:
+        for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i];
+        break;
+    case CISM_INT4: {
+        const size_t blocks = cism_div_up(n, CISM_INT4_BLOCK);
+        const float *scales = W->scales + r * blocks;
+        for (size_t i = 0; i < n; i++) {
+            const size_t b = i / 32, t = i % 32;
+            const uint8_t byte = row[b * 16 + (t % 16)];
+            const int code = t < 16 ? (byte & 15) : (byte >> 4);
+            out[i] = (float)(code - 8) * scales[b];
+        }
+        break;
+    }
+    default: { /* CISM_FP4 */
+        const uint8_t *sb = W->fp4_scales + r * cism_div_up(n, CISM_FP4_BLOCK);
+        for (size_t i = 0; i < n; i++) {
+            const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
+            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
+        }
+        break;
+    }
+    }
+}
+
+static void gemm_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                     float *Y, size_t ldy) {
+    float stack[1024];
+    float *w = W->cols <= 1024 ? stack : malloc(W->cols * sizeof(float));
+    if (!w) abort(); /* the reference path is for tests and old CPUs; rows are small */
+    for (size_t r = r0; r < r1; r++) {
+        dequant_row(W, r, w);
+        const float row_scale = W->storage == CISM_INT8 ? W->scales[r] : 1.0f;
+        for (size_t t = 0; t < T; t++) {
+            float d = dot16(w, A->x + t * A->ldx, W->cols);
+            Y[t * ldy + r] = W->storage == CISM_INT8 ? d * row_scale : d;
+        }
+    }
+    if (w != stack) free(w);
+}
+
+static void gemm_int8_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                             size_t T, float *Y, size_t ldy) {
+    const size_t n = W->cols, blocks = cism_div_up(n, 32);
+    for (size_t r = r0; r < r1; r++) {
+        const int8_t *w = (const int8_t *)W->codes + r * W->row_bytes;
+        for (size_t t = 0; t < T; t++) {
+            const int8_t *a = A->q8 + t * A->ldq;
+            const float *as = A->qscale + t * A->ldqs;
+            float acc[16] = {0};
+            for (size_t b = 0; b < blocks; b++) {
+                for (size_t j = 0; j < 8; j++) {
+                    int32_t s = 0;
+                    for (size_t i = 0; i < 4; i++) {
+                        const size_t e = b * 32 + 4 * j + i;
+                        if (e < n) s += (int32_t)w[e] * a[e];
+                    }
+                    float *lane = &acc[8 * (b % 2) + j];
+                    *lane = fmaf((float)s, as[b], *lane);
+                }
+            }
+            Y[t * ldy + r] = cism_reduce16(acc) * W->scales[r];
+        }
+    }
+}
+
+static void gemm_int4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                              size_t T, float *Y, size_t ldy) {
+    const size_t n = W->cols, blocks = cism_div_up(n, 32);
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
+        const float *ws = W->scales + r * blocks;
+        for (size_t t = 0; t < T; t++) {
+            const int16_t *a = A->q16 + t * A->ldq;
+            const float *as = A->qscale + t * A->ldqs;
+            float acc[16] = {0};
+            for (size_t b = 0; b < blocks; b++) {
+                int w[32];
+                for (int i = 0; i < 16; i++) {
+                    w[i] = (row[b * 16 + i] & 15) - 8;
+                    w[i + 16] = (row[b * 16 + i] >> 4) - 8;
+                }
+                const float s = ws[b] * as[b];
+                for (size_t j = 0; j < 16; j++) {
+                    /* activations past n are zero, so their products vanish */
+                    const int32_t p = w[2 * j] * a[b * 32 + 2 * j] + w[2 * j + 1] * a[b * 32 + 2 * j + 1];
+                    acc[j] = fmaf((float)p, s, acc[j]);
+                }
+            }
+            Y[t * ldy + r] = cism_reduce16(acc);
+        }
+    }
+}
+
+static void gemm_fp4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                             size_t T, float *Y, size_t ldy) {
+    const size_t n = W->cols, blocks = cism_div_up(n, 16);
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
+        const uint8_t *sb = W->fp4_scales + r * blocks;
+        for (size_t t = 0; t < T; t++) {
+            const int16_t *a = A->q16 + t * A->ldq;
+            const float *as = A->qscale + t * A->ldqs;
+            float acc[16] = {0};
+            for (size_t b = 0; b < blocks; b++) {
+                const float s = (cism_e4m3_to_f32(sb[b]) * 0.5f) * as[b / 2];
+                for (size_t j = 0; j < 8; j++) {
+                    int32_t p = 0;
+                    for (size_t i = 0; i < 2; i++) {
+                        const size_t e = b * 16 + 2 * j + i;
+                        if (e >= n) continue;
+                        const int code = (e % 2) ? (row[e / 2] >> 4) : (row[e / 2] & 15);
+                        p += cism_e2m1_x2[code] * a[e];
+                    }
+                    float *lane = &acc[8 * (b % 2) + j];
+                    *lane = fmaf((float)p, s, *lane);
+                }
+            }
+            Y[t * ldy + r] = cism_reduce16(acc);
+        }
+    }
+}
+
+static float dot_ref(const float *a, const float *b, size_t n) { return dot16(a, b, n); }
+
+static void axpy_ref(float a, const float *x, float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+static float block_absmax(const float *x, size_t start, size_t n) {
+    float m = 0.0f;
+    for (size_t i = start; i < start + 32 && i < n; i++) {
+        const float v = fabsf(x[i]);
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+static void quant16_ref(const float *x, size_t n, int16_t *q, float *scales) {
+    const size_t len = cism_act_len(n);
+    for (size_t b = 0; b * 32 < len; b++) {
+        const float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
+        const float norm = m > 0.0f ? 32767.0f / m : 0.0f;
+        scales[b] = m / 32767.0f;
+        for (size_t i = b * 32; i < b * 32 + 32; i++) {
+            float v = i < n ? rintf(x[i] * norm) : 0.0f;
+            v = v < 32767.0f ? v : 32767.0f;
+            v = v > -32767.0f ? v : -32767.0f;
+            q[i] = (int16_t)v;
+        }
+    }
+}
+
+static void quant8_ref(const float *x, size_t n, int8_t *q, float *scales) {
+    const size_t len = cism_act_len(n);
+    for (size_t b = 0; b * 32 < len; b++) {
+        const float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
+        const float norm = m > 0.0f ? 127.0f / m : 0.0f;
+        scales[b] = m / 127.0f;
+        for (size_t i = b * 32; i < b * 32 + 32; i++) {
+            float v = i < n ? rintf(x[i] * norm) : 0.0f;
+            v = v < 127.0f ? v : 127.0f;
+            v = v > -127.0f ? v : -127.0f;
+            q[i] = (int8_t)v;
+        }
+    }
+}
+
+void cism_fill_gemm_ref(cism_kernels *k) {
+    for (int s = 0; s < CISM_NUM_STORAGES; s++) k->gemm[s] = gemm_ref;
+    k->gemm_int8_q8 = gemm_int8_q8_ref;
+    k->gemm_int4_q16 = gemm_int4_q16_ref;
+    k->gemm_fp4_q16 = gemm_fp4_q16_ref;
+    k->dot = dot_ref;
+    k->axpy = axpy_ref;
+    k->quant16 = quant16_ref;
+    k->quant8 = quant8_ref;
+    k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "ref";
+}

@@ -1,0 +1,126 @@
+/* The kernel families, their canonical arithmetic, and the dispatch table.
+ *
+ * Every family has one signature and a scalar reference (csrc/<family>/*_ref.c).
+ * SIMD variants reproduce the reference BIT FOR BIT: the arithmetic below is
+ * the contract, and the scalar code spells it out. This is what makes results
+ * independent of the CPU, the thread count and the batch shape.
+ *
+ * Canonical dot product ("16 lanes, one accumulator per lane"):
+ *   acc[0..15] = +0; for element i (in order): acc[i % 16] = fma(w_i, x_i, acc[i % 16])
+ *   then a fixed tree: s8[i] = acc[i] + acc[i+8]; s4[i] = s8[i] + s8[i+4];
+ *   s2[i] = s4[i] + s4[i+2]; result = s2[0] + s2[1].
+ * Elements past the end contribute nothing (a zero product leaves a lane
+ * unchanged because a lane that starts at +0 can never hold -0).
+ *   fp32: w_i = W[r][i];  fp16: w_i = half_to_float(W[r][i]);
+ *   int4: w_i = (float)(code_i - 8) * scale_block  (one rounding);
+ *   fp4:  w_i = (float)e2m1x2(code_i) * (e4m3(scale_byte) * 0.5f)  (exact);
+ *   int8: w_i = (float)code_i, and the finished dot is multiplied by the row scale.
+ *
+ * Quantized activations (act_precision "int8"): each activation row is cut
+ * into 32-element blocks and zero padded to a multiple of CISM_ACT_PAD;
+ *   q16: scale = absmax/32767, q = clamp(rintf(x * (32767/absmax)), +-32767)
+ *   q8:  scale = absmax/127,   q = clamp(rintf(x * (127/absmax)), +-127)
+ * (an all-zero block gets q = 0 and scale 0). The integer products are exact;
+ * only the float accumulation has an order, again 16 lanes:
+ *   int4 x q16, block b: lane j (0..15) += fma((float)(w[2j]a[2j] + w[2j+1]a[2j+1]),
+ *                                            wscale_b * ascale_b)
+ *   fp4 x q16, fp4 block b (16 elements): lane 8*(b%2)+j (j<8) takes pair j of
+ *       the block with scale (e4m3(byte_b) * 0.5f) * ascale_(b/2)
+ *   int8 x q8, block b: lane 8*(b%2)+j (j<8) takes the four products 4j..4j+3
+ *       with scale ascale_b; the finished dot is multiplied by the row scale.
+ * followed by the same reduction tree. fp32/fp16 weights ignore the switch.
+ *
+ * Vector activations (max errors against the double-precision function are
+ * stated in act_ref.c and checked by tests/test_kernels.py).
+ */
+#ifndef CISM_KERNELS_H
+#define CISM_KERNELS_H
+
+#include "formats.h"
+
+#define CISM_ACT_PAD 64
+static inline size_t cism_act_len(size_t n) { return cism_div_up(n, CISM_ACT_PAD) * CISM_ACT_PAD; }
+
+/* T activation rows, in whichever forms the kernel needs. */
+typedef struct cism_act {
+    const float *x;       /* fp32 rows, row t at x + t*ldx (cols valid floats) */
+    size_t ldx;
+    const int16_t *q16;   /* q16 rows, zero padded to cism_act_len(cols), row stride ldq */
+    const int8_t *q8;     /* q8 rows, zero padded to cism_act_len(cols), row stride ldq */
+    const float *qscale;  /* per-block scales, row stride ldqs */
+    size_t ldq, ldqs;
+} cism_act;
+
+/* Y[t*ldy + r] = dot(row r of W, activation row t), r in [r0, r1), t < T. */
+typedef void (*cism_gemm_fn)(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                             size_t T, float *Y, size_t ldy);
+typedef float (*cism_dot_fn)(const float *a, const float *b, size_t n);
+/* y[i] = fma(a, x[i], y[i]) */
+typedef void (*cism_axpy_fn)(float a, const float *x, float *y, size_t n);
+/* Quantize n floats: writes cism_act_len(n) codes and cism_act_len(n)/32
+ * scales, zero beyond n (so kernels may read whole vectors). */
+typedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales);
+typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
+/* y = f(x), elementwise; y may alias x. */
+typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
+/* y = f(a) * b, elementwise; y may alias a or b. */
+typedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n);
+
+typedef enum { CISM_ISA_REF = 0, CISM_ISA_AVX2 = 1, CISM_ISA_AVX512 = 2, CISM_ISA_AVX512VNNI = 3 } cism_isa;
+
+typedef struct cism_kernels {
+    cism_gemm_fn gemm[CISM_NUM_STORAGES];   /* fp32 activations, by storage */
+    cism_gemm_fn gemm_int8_q8;               /* int8 weights x q8 activations */
+    cism_gemm_fn gemm_int4_q16;              /* int4 weights x q16 activations */
+    cism_gemm_fn gemm_fp4_q16;               /* fp4 weights x q16 activations */
+    cism_dot_fn dot;
+    cism_axpy_fn axpy;
+    cism_quant16_fn quant16;
+    cism_quant8_fn quant8;
+    cism_unary_fn exp, sigmoid, silu, gelu;
+    cism_binary_fn silu_mul, sigmoid_mul;
+    /* which variant fills each family, for show_runtime(): "ref", "avx2", ... */
+    const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act;
+} cism_kernels;
+
+/* CPU features found (CPUID and XGETBV both agree). */
+typedef struct cism_cpu {
+    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile;
+    int os_avx, os_avx512, os_amx;
+} cism_cpu;
+
+/* Fill the table once (idempotent): every slot gets the reference kernel,
+ * then better variants the CPU and the OS support overwrite it, capped by the
+ * CISM_ISA environment variable (ref, avx2, avx512, avx512vnni).
+ * Returns 0, or -1 when CISM_ISA holds an unknown name (the reference table
+ * is then used and cism_isa_error() says why). */
+int cism_init(void);
+const cism_kernels *cism_table(void);
+const cism_cpu *cism_cpu_features(void);
+int cism_isa_level(void);       /* highest level in use */
+int cism_isa_max(void);         /* highest level this CPU and OS support */
+const char *cism_isa_name(int level);
+const char *cism_isa_error(void);
+/* Force a level (tests): fills the table again; returns 0 or -1 when the
+ * CPU cannot run it. Not thread-safe: call while no kernel runs. */
+int cism_set_isa(int level);
+
+/* Table fillers, one per family and ISA, each in its own translation unit
+ * compiled with only that ISA's flags. */
+void cism_fill_gemm_ref(cism_kernels *k);
+void cism_fill_gemm_avx2(cism_kernels *k);
+void cism_fill_gemm_avx512(cism_kernels *k);
+void cism_fill_gemm_avx512vnni(cism_kernels *k);
+void cism_fill_act_ref(cism_kernels *k);
+void cism_fill_act_avx2(cism_kernels *k);
+void cism_fill_act_avx512(cism_kernels *k);
+
+/* The canonical reduction tree of 16 lane sums (see the top of this file). */
+static inline float cism_reduce16(const float *acc) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#endif

@@ -1,0 +1,125 @@
+/* Packing float32 rows into the storage formats of formats.h.
+ * Portable C (no ISA flags): packing happens once at load. The Cython caller
+ * fans row ranges out over threads; each row is packed independently. */
+#include "pack.h"
+
+#include <float.h>
+#include <math.h>
+
+static void pack_fp16(const float *v, size_t cols, uint16_t *out) {
+    for (size_t j = 0; j < cols; j++) out[j] = cism_f32_to_fp16(v[j]);
+}
+
+static void pack_int8(const float *v, size_t cols, int8_t *out, float *scale) {
+    float m = 0.0f;
+    for (size_t j = 0; j < cols; j++) m = fmaxf(m, fabsf(v[j]));
+    const float s = m == 0.0f ? 1.0f : fmaxf(m / 127.0f, FLT_TRUE_MIN);
+    *scale = s;
+    for (size_t j = 0; j < cols; j++) {
+        float q = roundf(v[j] / s); /* half away from zero */
+        q = fminf(fmaxf(q, -127.0f), 127.0f);
+        out[j] = (int8_t)q;
+    }
+}
+
+static void pack_int4(const float *v, size_t cols, uint8_t *out, float *scales) {
+    const size_t blocks = cism_div_up(cols, CISM_INT4_BLOCK);
+    memset(out, 0, blocks * CISM_INT4_BLOCK_BYTES);
+    for (size_t b = 0; b < blocks; b++) {
+        const size_t start = b * 32, end = start + 32 < cols ? start + 32 : cols;
+        /* signed extreme: the first element of largest magnitude keeps its sign,
+         * so it maps exactly onto code 0 (-8 * scale) */
+        float extreme = 0.0f;
+        for (size_t j = start; j < end; j++)
+            if (fabsf(v[j]) > fabsf(extreme)) extreme = v[j];
+        const float s = extreme == 0.0f ? 1.0f : extreme / -8.0f;
+        scales[b] = s;
+        for (size_t j = start; j < end; j++) {
+            int code = (int)(v[j] / s + 8.5f); /* truncation toward zero */
+            code = code < 0 ? 0 : code > 15 ? 15 : code;
+            const size_t t = j - start;
+            out[b * 16 + (t % 16)] |= (uint8_t)(code << (t < 16 ? 0 : 4));
+        }
+    }
+}
+
+static void pack_fp4(const float *v, size_t cols, uint8_t *out, uint8_t *scales) {
+    memset(out, 0, (cols + 1) / 2);
+    for (size_t start = 0, b = 0; start < cols; start += 16, b++) {
+        const size_t end = start + 16 < cols ? start + 16 : cols;
+        float m = 0.0f;
+        for (size_t j = start; j < end; j++) m = fmaxf(m, fabsf(v[j]));
+        const uint8_t bits = cism_f32_to_e4m3(m / 6.0f);
+        scales[b] = bits;
+        const float s = cism_e4m3_to_f32(bits);
+        const float safe = s > 0.0f ? s : 1.0f; /* all-zero (or vanishing) block */
+        for (size_t j = start; j < end; j++) {
+            const float mag = fabsf(v[j]) / safe;
+            int best = 0;
+            float best_err = INFINITY;
+            for (int k = 0; k < 8; k++) {
+                const float err = fabsf(mag - (float)cism_e2m1_x2[k] * 0.5f);
+                if (err < best_err) { best_err = err; best = k; }
+            }
+            const int nibble = v[j] < 0.0f ? (best | 8) : best;
+            out[j / 2] |= (uint8_t)(nibble << (4 * (j % 2)));
+        }
+    }
+}
+
+void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, size_t r1,
+                    void *codes, float *scales, uint8_t *fp4_scales) {
+    const size_t row_bytes = cism_row_bytes(storage, cols);
+    for (size_t r = r0; r < r1; r++) {
+        const float *v = values + r * cols;
+        uint8_t *dst = (uint8_t *)codes + r * row_bytes;
+        switch (storage) {
+        case CISM_FP32: memcpy(dst, v, cols * sizeof(float)); break;
+        case CISM_FP16: pack_fp16(v, cols, (uint16_t *)dst); break;
+        case CISM_INT8: pack_int8(v, cols, (int8_t *)dst, scales + r); break;
+        case CISM_INT4:
+            pack_int4(v, cols, dst, scales + r * cism_div_up(cols, CISM_INT4_BLOCK));
+            break;
+        default:
+            pack_fp4(v, cols, dst, fp4_scales + r * cism_div_up(cols, CISM_FP4_BLOCK));
+            break;
+        }
+    }
+}
+
+/* Row r back to floats, exactly as the kernels see it (int8 with its scale). */
+void cism_unpack_row(const cism_mat *W, size_t r, float *out) {
+    const size_t n = W->cols;
+    const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
+    switch (W->storage) {
+    case CISM_FP32: memcpy(out, row, n * sizeof(float)); break;
+    case CISM_FP16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * i, 2);
+            out[i] = cism_fp16_to_f32(h);
+        }
+        break;
+    case CISM_INT8:
+        for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i] * W->scales[r];
+        break;
+    case CISM_INT4: {
+        const float *s = W->scales + r * cism_div_up(n, CISM_INT4_BLOCK);
+        for (size_t i = 0; i < n; i++) {
+            const size_t b = i / 32, t = i % 32;
+            const uint8_t byte = row[b * 16 + (t % 16)];
+            const int code = t < 16 ? (byte & 15) : (byte >> 4);
+            out[i] = (float)(code - 8) * s[b];
+        }
+        break;
+    }
+    default: {
+        const uint8_t *sb = W->fp4_scales + r * cism_div_up(n, CISM_FP4_BLOCK);
+        for (size_t i = 0; i < n; i++) {
+            const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
+            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
+        }
+        break;
+    }
+    }
+}

@@ -1,0 +1,130 @@
+"""Build cism: C kernels compiled per ISA with only their own flags, and the
+Cython modules, with OpenMP when the compiler really has it.
+
+Switches (environment variables at build time):
+  CISM_DEBUG=1         Cython bounds/wraparound checks on, -O0 -g
+  CISM_SANITIZE=...    e.g. "address,undefined": build with those sanitizers
+  CISM_NO_OPENMP=1     build single-threaded even when OpenMP works
+"""
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("CISM_DEBUG", "") not in ("", "0")
+SANITIZE = os.environ.get("CISM_SANITIZE", "").strip()
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+# Every compile: no silent FMA contraction (results must not depend on the
+# compiler's choices), no global -march.
+BASE_CFLAGS = ["-std=c11", "-ffp-contract=off", "-fno-math-errno"]
+OPT_CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
+SAN_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g"] if SANITIZE else []
+
+# ISA variants: name -> flags. One table; nothing ISA-specific anywhere else.
+ISA_FLAGS = {
+    "ref": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                   "-mavx512dq", "-mavx512vnni"],
+}
+# Kernel sources: (path, ISA). x86 variants are skipped on other machines.
+KERNEL_SOURCES = [
+    ("csrc/gemm/gemm_ref.c", "ref"),
+    ("csrc/gemm/gemm_avx2.c", "avx2"),
+    ("csrc/gemm/gemm_avx512.c", "avx512"),
+    ("csrc/gemm/gemm_avx512vnni.c", "avx512vnni"),
+    ("csrc/act/act_ref.c", "ref"),
+    ("csrc/act/act_avx2.c", "avx2"),
+    ("csrc/act/act_avx512.c", "avx512"),
+    ("csrc/dispatch.c", "ref"),
+]
+
+
+def probe_openmp():
+    """Compile, link and run a tiny OpenMP program; return the flags or None."""
+    if os.environ.get("CISM_NO_OPENMP", "") not in ("", "0"):
+        return None
+    cc = sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    src = "#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel reduction(+:n)\nn+=1;\nreturn n>0&&omp_get_max_threads()>0?0:1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        c_path = os.path.join(tmp, "probe.c")
+        exe = os.path.join(tmp, "probe")
+        with open(c_path, "w") as f:
+            f.write(src)
+        try:
+            subprocess.run([cc, "-fopenmp", c_path, "-o", exe], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+            subprocess.run([exe], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return ["-fopenmp"]
+
+
+OPENMP = probe_openmp()
+if OPENMP is None:
+    bar = "!" * 72
+    print(f"\n{bar}\ncism: OpenMP is NOT available with this compiler; building a\n"
+          f"single-threaded library (results are identical, only slower).\n{bar}\n",
+          file=sys.stderr)
+
+
+class BuildExt(build_ext):
+    """Compile each kernel source with its own ISA flags, then link them."""
+
+    def build_extensions(self):
+        objects = []
+        for path, isa in KERNEL_SOURCES:
+            if isa != "ref" and not X86:
+                continue
+            flags = BASE_CFLAGS + OPT_CFLAGS + SAN_FLAGS + ["-fPIC"] + ISA_FLAGS[isa]
+            objects += self.compiler.compile(
+                [path], output_dir=self.build_temp, include_dirs=["csrc"],
+                extra_postargs=flags, depends=["csrc/kernels.h", "csrc/formats.h"])
+        for ext in self.extensions:
+            if ext.name == "cism._kernels":
+                ext.extra_objects = list(objects)
+        super().build_extensions()
+
+
+def extension(name, sources):
+    compile_args = ["-ffp-contract=off", "-fno-math-errno", "-Wno-unused-function",
+                    "-Wno-unreachable-code"] + OPT_CFLAGS + SAN_FLAGS + (OPENMP or [])
+    link_args = SAN_FLAGS + (OPENMP or []) + ["-lm"]
+    return Extension(
+        name, sources, include_dirs=["csrc", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=compile_args, extra_link_args=link_args,
+        depends=["csrc/kernels.h", "csrc/formats.h"])
+
+
+EXTENSIONS = [
+    extension("cism._kernels", ["cism/_kernels.pyx"]),
+    extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"]),
+]
+
+DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": not DEBUG,
+    "embedsignature": True,
+}
+
+setup(
+    ext_modules=cythonize(EXTENSIONS, compiler_directives=DIRECTIVES),
+    cmdclass={"build_ext": BuildExt},
+)
