@@ -20,10 +20,11 @@ cdef extern from "formats.h" nogil:
         size_t rows, cols
         const void *codes
         size_t row_bytes
+        size_t scale_offset
         const float *scales
-        const uint8_t *fp4_scales
 
     size_t cism_div_up(size_t a, size_t b)
+    size_t cism_code_bytes(int storage, size_t cols)
     size_t cism_row_bytes(int storage, size_t cols)
     float cism_fp16_to_f32(uint16_t h)
     uint16_t cism_f32_to_fp16(float f)

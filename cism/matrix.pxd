@@ -29,7 +29,6 @@ cdef class Matrix:
     cdef cism_mat mat
     cdef void *codes_buf
     cdef float *scales_buf
-    cdef uint8_t *fp4_buf
     cdef size_t nbytes_
     cdef bint act_q8
     cdef str storage_name

@@ -18,14 +18,14 @@ from cpython.ref cimport Py_INCREF
 
 from cism._kernels cimport (
     CISM_FP16, CISM_FP32, CISM_FP4, CISM_INT4, CISM_INT8, CISM_SLACK, cism_act, cism_act_len,
-    cism_div_up, cism_gemm_fn, cism_kernels, cism_mat, cism_row_bytes, kernel_table)
+    cism_code_bytes, cism_div_up, cism_gemm_fn, cism_kernels, cism_mat, cism_row_bytes, kernel_table)
 from cism._threads import resolve_threads
 
 cnp.import_array()
 
 cdef extern from "pack.h" nogil:
     void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, size_t r1,
-                        void *codes, float *scales, uint8_t *fp4_scales)
+                        void *codes, float *row_scales)
     void cism_unpack_row(const cism_mat *W, size_t r, float *out)
 
 cdef extern from "<stdlib.h>" nogil:
@@ -207,7 +207,6 @@ cdef class Matrix:
     def __cinit__(self):
         self.codes_buf = NULL
         self.scales_buf = NULL
-        self.fp4_buf = NULL
 
     def __init__(self, values, storage="fp32", threads=None):
         cdef int s = _storage_index(storage)
@@ -234,24 +233,21 @@ cdef class Matrix:
         self.act_q8 = False
         cdef size_t R = rows, C = cols
         cdef size_t row_bytes = cism_row_bytes(s, C)
-        cdef size_t nscales = R if s == CISM_INT8 else (R * cism_div_up(C, 32) if s == CISM_INT4 else 0)
-        cdef size_t nfp4 = R * cism_div_up(C, 16) if s == CISM_FP4 else 0
+        cdef size_t nscales = R if s == CISM_INT8 else 0
         self.codes_buf = alloc_zeroed(R * row_bytes)
         if nscales:
             self.scales_buf = <float*>alloc_zeroed(nscales * sizeof(float))
-        if nfp4:
-            self.fp4_buf = <uint8_t*>alloc_zeroed(nfp4)
-        if self.codes_buf == NULL or (nscales and self.scales_buf == NULL) or (nfp4 and self.fp4_buf == NULL):
+        if self.codes_buf == NULL or (nscales and self.scales_buf == NULL):
             raise MemoryError(f"cannot allocate a {rows}x{cols} {self.storage_name} matrix "
-                              f"({R * row_bytes + nscales * 4 + nfp4} bytes)")
-        self.nbytes_ = R * row_bytes + nscales * sizeof(float) + nfp4
+                              f"({R * row_bytes + nscales * 4} bytes)")
+        self.nbytes_ = R * row_bytes + nscales * sizeof(float)
         self.mat.storage = s
         self.mat.rows = R
         self.mat.cols = C
         self.mat.codes = self.codes_buf
         self.mat.row_bytes = row_bytes
+        self.mat.scale_offset = cism_code_bytes(s, C) if (s == CISM_INT4 or s == CISM_FP4) else 0
         self.mat.scales = self.scales_buf
-        self.mat.fp4_scales = self.fp4_buf
         cdef const float *src = <const float*>cnp.PyArray_DATA(values)
         cdef size_t c, nchunks = cism_div_up(R, 256), r0, r1
         with nogil:
@@ -261,14 +257,13 @@ cdef class Matrix:
                     r1 = r0 + 256
                     if r1 > R:
                         r1 = R
-                    cism_pack_rows(s, src, C, r0, r1, self.codes_buf, self.scales_buf, self.fp4_buf)
+                    cism_pack_rows(s, src, C, r0, r1, self.codes_buf, self.scales_buf)
             else:
-                cism_pack_rows(s, src, C, 0, R, self.codes_buf, self.scales_buf, self.fp4_buf)
+                cism_pack_rows(s, src, C, 0, R, self.codes_buf, self.scales_buf)
 
     def __dealloc__(self):
         free(self.codes_buf)
         free(self.scales_buf)
-        free(self.fp4_buf)
 
     @property
     def rows(self):
@@ -363,41 +358,41 @@ cdef class Matrix:
                 cism_unpack_row(&self.mat, r, p + r * self.mat.cols)
         return out
 
+    def _row_view(self):
+        cdef cnp.npy_intp shape[1]
+        shape[0] = self.mat.rows * self.mat.row_bytes
+        return numpy_view(self, self.codes_buf, 1, shape, cnp.NPY_UINT8)
+
     @property
     def codes(self):
-        """Read-only view of the packed codes (layout: csrc/formats.h)."""
-        cdef cnp.npy_intp shape[3]
-        shape[0] = self.mat.rows
+        """Read-only view of the packed codes (layout: csrc/formats.h):
+        fp32 (rows, cols) float32, fp16 (rows, cols) uint16 bits, int8 (rows,
+        cols) int8, int4 (rows, blocks32, 16) bytes, fp4 (rows, blocks16*8) bytes."""
         s = self.mat.storage
+        rows, cols, rb = self.mat.rows, self.mat.cols, self.mat.row_bytes
+        flat = self._row_view()
         if s == CISM_FP32:
-            shape[1] = self.mat.cols
-            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_FLOAT32)
+            return np.ndarray((rows, cols), np.float32, flat, 0, (rb, 4))
         if s == CISM_FP16:
-            shape[1] = self.mat.cols
-            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_UINT16)
+            return np.ndarray((rows, cols), np.uint16, flat, 0, (rb, 2))
         if s == CISM_INT8:
-            shape[1] = self.mat.cols
-            return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_INT8)
+            return np.ndarray((rows, cols), np.int8, flat, 0, (rb, 1))
         if s == CISM_INT4:
-            shape[1] = cism_div_up(self.mat.cols, 32)
-            shape[2] = 16
-            return numpy_view(self, self.codes_buf, 3, shape, cnp.NPY_UINT8)
-        shape[1] = self.mat.row_bytes
-        return numpy_view(self, self.codes_buf, 2, shape, cnp.NPY_UINT8)
+            return np.ndarray((rows, (cols + 31) // 32, 16), np.uint8, flat, 0, (rb, 16, 1))
+        return np.ndarray((rows, self.mat.scale_offset), np.uint8, flat, 0, (rb, 1))
 
     @property
     def scales(self):
-        """Read-only view of the scales: int8 (rows,), int4 (rows, blocks32)
-        float32, fp4 (rows, blocks16) E4M3 bytes; None for fp32/fp16."""
-        cdef cnp.npy_intp shape[2]
-        shape[0] = self.mat.rows
+        """Read-only view of the scales: int8 (rows,) float32, int4 (rows,
+        blocks32) float32, fp4 (rows, blocks16) E4M3 bytes; None for fp32/fp16."""
+        cdef cnp.npy_intp shape[1]
         s = self.mat.storage
+        rows, cols, rb, so = self.mat.rows, self.mat.cols, self.mat.row_bytes, self.mat.scale_offset
         if s == CISM_INT8:
+            shape[0] = rows
             return numpy_view(self, self.scales_buf, 1, shape, cnp.NPY_FLOAT32)
         if s == CISM_INT4:
-            shape[1] = cism_div_up(self.mat.cols, 32)
-            return numpy_view(self, self.scales_buf, 2, shape, cnp.NPY_FLOAT32)
+            return np.ndarray((rows, (cols + 31) // 32), np.float32, self._row_view(), so, (rb, 4))
         if s == CISM_FP4:
-            shape[1] = cism_div_up(self.mat.cols, 16)
-            return numpy_view(self, self.fp4_buf, 2, shape, cnp.NPY_UINT8)
+            return np.ndarray((rows, (cols + 15) // 16), np.uint8, self._row_view(), so, (rb, 1))
         return None

@@ -29,13 +29,15 @@ typedef enum {
                       Byte t of a block holds element t in its low nibble and
                       element t+16 in its high nibble. Every block takes 16 bytes,
                       a partial tail block too (missing elements keep code 0).
-                      codes: uint8[rows][blocks32][16], scales: float[rows][blocks32] */
+                      Row layout: [blocks32][16] code bytes, then [blocks32] float scales,
+                      so one row is one contiguous stream. */
     CISM_FP4 = 4   /* E2M1 nibbles, one E4M3 scale byte per 16 elements.
                       scale byte = E4M3 nearest-even encoding of absmax/6 (subnormals kept,
                       saturating at 448), element = nearest of the 8 E2M1 magnitudes of
                       |x|/scale (ties to the smaller), sign in bit 3. Element j of a row
                       sits in byte j/2, low nibble for even j, high for odd j.
-                      codes: uint8[rows][(cols+1)/2], scales: uint8[rows][blocks16] */
+                      Row layout: [blocks16][8] code bytes (zero padded), then
+                      [blocks16] scale bytes. */
 } cism_storage;
 
 #define CISM_NUM_STORAGES 5
@@ -50,28 +52,43 @@ _Static_assert(CISM_ACT_BLOCK == CISM_INT4_BLOCK, "int4 weights and activations 
 _Static_assert(CISM_ACT_BLOCK == 2 * CISM_FP4_BLOCK, "two fp4 scale blocks per activation block");
 _Static_assert(sizeof(float) == 4 && sizeof(uint16_t) == 2, "IEEE binary32/binary16 sizes");
 
-/* A packed matrix as the kernels see it. Row r of the codes starts at
- * codes + r * row_bytes. */
+/* A packed matrix as the kernels see it. Row r starts at codes + r * row_bytes;
+ * int4/fp4 rows keep their scales inside the row at byte scale_offset. */
 typedef struct cism_mat {
     int32_t storage;
     size_t rows, cols;
     const void *codes;
     size_t row_bytes;
-    const float *scales;        /* int8: [rows]; int4: [rows][blocks32]; else NULL */
-    const uint8_t *fp4_scales;  /* fp4: [rows][blocks16]; else NULL */
+    size_t scale_offset;        /* int4/fp4: where the row's scales start; else 0 */
+    const float *scales;        /* int8: row scales [rows]; else NULL */
 } cism_mat;
 
 static inline size_t cism_div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
-/* Bytes of one packed row of codes. */
-static inline size_t cism_row_bytes(int storage, size_t cols) {
+/* Bytes of the codes of one packed row (int4/fp4: before the scales). */
+static inline size_t cism_code_bytes(int storage, size_t cols) {
     switch (storage) {
     case CISM_FP32: return cols * 4;
     case CISM_FP16: return cols * 2;
     case CISM_INT8: return cols;
     case CISM_INT4: return cism_div_up(cols, CISM_INT4_BLOCK) * CISM_INT4_BLOCK_BYTES;
-    default: return (cols + 1) / 2;
+    default: return cism_div_up(cols, CISM_FP4_BLOCK) * (CISM_FP4_BLOCK / 2);
     }
+}
+
+/* Bytes of one packed row, scales included for int4/fp4. */
+static inline size_t cism_row_bytes(int storage, size_t cols) {
+    switch (storage) {
+    case CISM_INT4: return cism_code_bytes(storage, cols) + cism_div_up(cols, CISM_INT4_BLOCK) * 4;
+    case CISM_FP4: return cism_code_bytes(storage, cols) + cism_div_up(cols, CISM_FP4_BLOCK);
+    default: return cism_code_bytes(storage, cols);
+    }
+}
+
+static inline float cism_int4_scale(const uint8_t *row, size_t scale_offset, size_t b) {
+    float s;
+    memcpy(&s, row + scale_offset + 4 * b, 4);
+    return s;
 }
 
 /* ---- exact scalar conversions shared by packing, kernels and row() ---- */

@@ -22,9 +22,10 @@ static void pack_int8(const float *v, size_t cols, int8_t *out, float *scale) {
     }
 }
 
-static void pack_int4(const float *v, size_t cols, uint8_t *out, float *scales) {
+static void pack_int4(const float *v, size_t cols, uint8_t *out) {
     const size_t blocks = cism_div_up(cols, CISM_INT4_BLOCK);
     memset(out, 0, blocks * CISM_INT4_BLOCK_BYTES);
+    uint8_t *scale_bytes = out + cism_code_bytes(CISM_INT4, cols);
     for (size_t b = 0; b < blocks; b++) {
         const size_t start = b * 32, end = start + 32 < cols ? start + 32 : cols;
         /* signed extreme: the first element of largest magnitude keeps its sign,
@@ -33,7 +34,7 @@ static void pack_int4(const float *v, size_t cols, uint8_t *out, float *scales) 
         for (size_t j = start; j < end; j++)
             if (fabsf(v[j]) > fabsf(extreme)) extreme = v[j];
         const float s = extreme == 0.0f ? 1.0f : extreme / -8.0f;
-        scales[b] = s;
+        memcpy(scale_bytes + 4 * b, &s, 4);
         for (size_t j = start; j < end; j++) {
             int code = (int)(v[j] / s + 8.5f); /* truncation toward zero */
             code = code < 0 ? 0 : code > 15 ? 15 : code;
@@ -43,8 +44,9 @@ static void pack_int4(const float *v, size_t cols, uint8_t *out, float *scales) 
     }
 }
 
-static void pack_fp4(const float *v, size_t cols, uint8_t *out, uint8_t *scales) {
-    memset(out, 0, (cols + 1) / 2);
+static void pack_fp4(const float *v, size_t cols, uint8_t *out) {
+    memset(out, 0, cism_code_bytes(CISM_FP4, cols));
+    uint8_t *scales = out + cism_code_bytes(CISM_FP4, cols);
     for (size_t start = 0, b = 0; start < cols; start += 16, b++) {
         const size_t end = start + 16 < cols ? start + 16 : cols;
         float m = 0.0f;
@@ -68,7 +70,7 @@ static void pack_fp4(const float *v, size_t cols, uint8_t *out, uint8_t *scales)
 }
 
 void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, size_t r1,
-                    void *codes, float *scales, uint8_t *fp4_scales) {
+                    void *codes, float *row_scales) {
     const size_t row_bytes = cism_row_bytes(storage, cols);
     for (size_t r = r0; r < r1; r++) {
         const float *v = values + r * cols;
@@ -76,13 +78,9 @@ void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, si
         switch (storage) {
         case CISM_FP32: memcpy(dst, v, cols * sizeof(float)); break;
         case CISM_FP16: pack_fp16(v, cols, (uint16_t *)dst); break;
-        case CISM_INT8: pack_int8(v, cols, (int8_t *)dst, scales + r); break;
-        case CISM_INT4:
-            pack_int4(v, cols, dst, scales + r * cism_div_up(cols, CISM_INT4_BLOCK));
-            break;
-        default:
-            pack_fp4(v, cols, dst, fp4_scales + r * cism_div_up(cols, CISM_FP4_BLOCK));
-            break;
+        case CISM_INT8: pack_int8(v, cols, (int8_t *)dst, row_scales + r); break;
+        case CISM_INT4: pack_int4(v, cols, dst); break;
+        default: pack_fp4(v, cols, dst); break;
         }
     }
 }
@@ -104,17 +102,16 @@ void cism_unpack_row(const cism_mat *W, size_t r, float *out) {
         for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i] * W->scales[r];
         break;
     case CISM_INT4: {
-        const float *s = W->scales + r * cism_div_up(n, CISM_INT4_BLOCK);
         for (size_t i = 0; i < n; i++) {
             const size_t b = i / 32, t = i % 32;
             const uint8_t byte = row[b * 16 + (t % 16)];
             const int code = t < 16 ? (byte & 15) : (byte >> 4);
-            out[i] = (float)(code - 8) * s[b];
+            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
         }
         break;
     }
     default: {
-        const uint8_t *sb = W->fp4_scales + r * cism_div_up(n, CISM_FP4_BLOCK);
+        const uint8_t *sb = row + W->scale_offset;
         for (size_t i = 0; i < n; i++) {
             const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
             out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);

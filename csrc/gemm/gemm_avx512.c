@@ -1,2 +1,477 @@
+/* AVX-512 (F/BW/VL/DQ) gemm family. Bit-identical to gemm_ref.c: every
+ * (row, token) dot keeps one zmm accumulator whose lane i sums the elements
+ * i mod 16 in order with fma, then the canonical reduction tree.
+ *
+ * Tiling: decode (T = 1) runs 8 rows at a time, i.e. 8 independent weight
+ * streams per thread, which is what it takes to saturate DRAM from two cores
+ * (one stream per thread reaches ~24 GB/s, eight ~30 GB/s on these
+ * machines). Multi-token calls run 4 rows x 4 tokens tiles, so each
+ * dequantized weight vector feeds 4 FMAs from registers, over token chunks
+ * small enough for the activations to stay in L2. */
 #include "../kernels.h"
-void cism_fill_gemm_avx512(cism_kernels *k) { (void)k; }
+
+#include <immintrin.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define TOKEN_CHUNK 64
+
+static float e4m3_half[256]; /* e4m3(b) * 0.5, exact; filled by the table filler */
+
+ALWAYS_INLINE float hsum(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* ---- fp32 activations: weights dequantized 16 elements at a time ---- */
+
+/* One pointer per row: int4/fp4 scales sit inside the row at scale_offset
+ * (keeping 8 rows in flight without running out of general registers). */
+typedef struct {
+    const uint8_t *codes;
+} row_ptr;
+
+ALWAYS_INLINE row_ptr row_at(const int S, const cism_mat *W, size_t r) {
+    (void)S;
+    row_ptr p;
+    p.codes = (const uint8_t *)W->codes + r * W->row_bytes;
+    return p;
+}
+
+ALWAYS_INLINE float int4_scale(row_ptr p, size_t so, size_t b) {
+    return ((const float *)(p.codes + so))[b];
+}
+
+/* 16 weights of chunk c (elements 16c..16c+15) as floats; lanes outside
+ * `mask` are zero or finite garbage, always met by a zero activation.
+ * (int4 goes through int4_block32 instead.) */
+ALWAYS_INLINE __m512 deq16(const int S, row_ptr p, size_t so, size_t c, __mmask16 mask) {
+    switch (S) {
+    case CISM_FP32:
+        return _mm512_maskz_loadu_ps(mask, (const float *)p.codes + 16 * c);
+    case CISM_FP16:
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)p.codes + 16 * c));
+    case CISM_INT8:
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p.codes + 16 * c)));
+    default: { /* CISM_FP4: 8 bytes, low nibble = even element */
+        const __m128i lut = _mm_loadu_si128((const __m128i *)cism_e2m1_x2);
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(p.codes + 8 * c));
+        const __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+        const __m128i v = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+        return _mm512_mul_ps(w, _mm512_set1_ps(e4m3_half[p.codes[so + c]]));
+    }
+    }
+}
+
+/* Both halves of int4 block b: w = (code - 8) * scale, computed as
+ * fma(code, scale, -8 * scale): -8*scale is exact, so the single rounding of
+ * the fma equals the reference's one rounding of (code - 8) * scale. */
+ALWAYS_INLINE void int4_block32(row_ptr p, size_t so, size_t b, __m512 *w0, __m512 *w1) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p.codes + 16 * b)));
+    const __m512 s = _mm512_set1_ps(int4_scale(p, so, b));
+    const __m512 neg8s = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    *w0 = _mm512_fmadd_ps(lo, s, neg8s);
+    *w1 = _mm512_fmadd_ps(hi, s, neg8s);
+}
+
+/* An R x TT tile of dots: rows r.., tokens of X (row stride ldx). */
+ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r,
+                            const float *X, size_t ldx, float *Y, size_t ldy) {
+    const size_t n = W->cols, full = n / 16, rem = n % 16, so = W->scale_offset;
+    row_ptr p[8];
+    __m512 acc[8][4];
+    for (int i = 0; i < R; i++) {
+        p[i] = row_at(S, W, r + i);
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    if (S == CISM_INT4) {
+        /* whole 32-element blocks: one byte load feeds both halves */
+        const size_t blocks = n / 32;
+        for (size_t b = 0; b < blocks; b++) {
+            __m512 x0[4], x1[4];
+            for (int j = 0; j < TT; j++) {
+                x0[j] = _mm512_loadu_ps(X + j * ldx + 32 * b);
+                x1[j] = _mm512_loadu_ps(X + j * ldx + 32 * b + 16);
+            }
+            for (int i = 0; i < R; i++) {
+                __m512 w0, w1;
+                int4_block32(p[i], so, b, &w0, &w1);
+                for (int j = 0; j < TT; j++) {
+                    acc[i][j] = _mm512_fmadd_ps(w0, x0[j], acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(w1, x1[j], acc[i][j]);
+                }
+            }
+        }
+        if (n % 32) {
+            const size_t left = n % 32;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            __m512 x0[4], x1[4];
+            for (int j = 0; j < TT; j++) {
+                x0[j] = _mm512_maskz_loadu_ps(m0, X + j * ldx + 32 * blocks);
+                x1[j] = _mm512_maskz_loadu_ps(m1, X + j * ldx + 32 * blocks + 16);
+            }
+            for (int i = 0; i < R; i++) {
+                __m512 w0, w1;
+                int4_block32(p[i], so, blocks, &w0, &w1);
+                for (int j = 0; j < TT; j++) {
+                    acc[i][j] = _mm512_fmadd_ps(w0, x0[j], acc[i][j]);
+                    if (m1) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], acc[i][j]);
+                }
+            }
+        }
+    } else {
+    for (size_t c = 0; c < full; c++) {
+        __m512 x[4];
+        for (int j = 0; j < TT; j++) x[j] = _mm512_loadu_ps(X + j * ldx + 16 * c);
+        for (int i = 0; i < R; i++) {
+            const __m512 w = deq16(S, p[i], so, c, 0xffff);
+            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_fmadd_ps(w, x[j], acc[i][j]);
+        }
+    }
+    if (rem) {
+        const __mmask16 m = (__mmask16)((1u << rem) - 1);
+        __m512 x[4];
+        for (int j = 0; j < TT; j++) x[j] = _mm512_maskz_loadu_ps(m, X + j * ldx + 16 * full);
+        for (int i = 0; i < R; i++) {
+            const __m512 w = deq16(S, p[i], so, full, m);
+            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_fmadd_ps(w, x[j], acc[i][j]);
+        }
+    }
+    }
+    for (int i = 0; i < R; i++) {
+        const float rs = S == CISM_INT8 ? W->scales[r + i] : 1.0f;
+        for (int j = 0; j < TT; j++) {
+            const float d = hsum(acc[i][j]);
+            Y[j * ldy + r + i] = S == CISM_INT8 ? d * rs : d;
+        }
+    }
+}
+
+ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t r, const float *X,
+                            size_t ldx, size_t T, float *Y, size_t ldy) {
+    size_t t = 0;
+    for (; t + 4 <= T; t += 4) tile_f32(S, R, 4, W, r, X + t * ldx, ldx, Y + t * ldy, ldy);
+    switch (T - t) {
+    case 3: tile_f32(S, R, 3, W, r, X + t * ldx, ldx, Y + t * ldy, ldy); break;
+    case 2: tile_f32(S, R, 2, W, r, X + t * ldx, ldx, Y + t * ldy, ldy); break;
+    case 1: tile_f32(S, R, 1, W, r, X + t * ldx, ldx, Y + t * ldy, ldy); break;
+    default: break;
+    }
+}
+
+ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_t r1,
+                                const cism_act *A, size_t T, float *Y, size_t ldy) {
+    if (T == 1) {
+        size_t r = r0;
+        /* 4-bit rows carry two pointers each: 8 of them would spill registers */
+        if (S != CISM_INT4 && S != CISM_FP4)
+            for (; r + 8 <= r1; r += 8) tile_f32(S, 8, 1, W, r, A->x, A->ldx, Y, ldy);
+        for (; r + 4 <= r1; r += 4) tile_f32(S, 4, 1, W, r, A->x, A->ldx, Y, ldy);
+        for (; r < r1; r++) tile_f32(S, 1, 1, W, r, A->x, A->ldx, Y, ldy);
+        return;
+    }
+    for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
+        const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
+        const float *X = A->x + t0 * A->ldx;
+        float *Yc = Y + t0 * ldy;
+        size_t r = r0;
+        for (; r + 4 <= r1; r += 4) rows_f32(S, 4, W, r, X, A->ldx, tn, Yc, ldy);
+        for (; r < r1; r++) rows_f32(S, 1, W, r, X, A->ldx, tn, Yc, ldy);
+    }
+}
+
+#define GEMM_F32(NAME, S)                                                                        \
+    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
+                     float *Y, size_t ldy) {                                                     \
+        gemm_f32_tpl(S, W, r0, r1, A, T, Y, ldy);                                                \
+    }
+GEMM_F32(gemm_fp32_avx512, CISM_FP32)
+GEMM_F32(gemm_fp16_avx512, CISM_FP16)
+GEMM_F32(gemm_int8_avx512, CISM_INT8)
+GEMM_F32(gemm_int4_avx512, CISM_INT4)
+GEMM_F32(gemm_fp4_avx512, CISM_FP4)
+
+/* ---- quantized activations ---- */
+
+/* int8 x q8, one 64-byte unit = blocks 2u (lanes 0-7) and 2u+1 (lanes 8-15).
+ * |a| * (sign(a) w) keeps every pair sum within int16 (|a|, |w| <= 127), so
+ * maddubs never saturates and matches the VNNI dpbusd exactly. */
+ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed, const int vnni) {
+#ifdef __AVX512VNNI__
+    if (vnni) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), a_abs, w_signed);
+#endif
+    (void)vnni;
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(a_abs, w_signed), _mm512_set1_epi16(1));
+}
+
+ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
+                             const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const size_t units = cism_div_up(W->cols, 64);
+    const uint8_t *rows[8];
+    __m512 acc[8][4];
+    for (int i = 0; i < R; i++) {
+        rows[i] = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    const __mmask16 lo_half = 0x00ff;
+    for (size_t u = 0; u < units; u++) {
+        __m512i aa[4];
+        __mmask64 neg[4];
+        __m512 sc[4];
+        for (int j = 0; j < TT; j++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
+            aa[j] = _mm512_abs_epi8(a);
+            neg[j] = _mm512_movepi8_mask(a);
+            const float *as = A->qscale + (t + j) * A->ldqs + 2 * u;
+            sc[j] = _mm512_mask_blend_ps(lo_half, _mm512_set1_ps(as[1]), _mm512_set1_ps(as[0]));
+        }
+        for (int i = 0; i < R; i++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(rows[i] + 64 * u));
+            for (int j = 0; j < TT; j++) {
+                const __m512i ws = _mm512_mask_sub_epi8(w, neg[j], _mm512_setzero_si512(), w);
+                const __m512 s = _mm512_cvtepi32_ps(dot4_u8s8(aa[j], ws, VNNI));
+                acc[i][j] = _mm512_fmadd_ps(s, sc[j], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum(acc[i][j]) * W->scales[r + i];
+}
+
+/* int4 x q16, one 32-element block per step: lane j = pair (2j, 2j+1). */
+ALWAYS_INLINE __m512i int4_block_i16(const uint8_t *codes) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(15));
+    const __m256i hi = _mm256_srli_epi16(b, 4);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_sub_epi16(w, _mm512_set1_epi16(8));
+}
+
+ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size_t r,
+                              const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const size_t blocks = cism_div_up(W->cols, 32);
+    row_ptr p[8];
+    __m512 acc[8][4];
+    for (int i = 0; i < R; i++) {
+        p[i] = row_at(CISM_INT4, W, r + i);
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (size_t b = 0; b < blocks; b++) {
+        __m512i a[4];
+        float as[4];
+        for (int j = 0; j < TT; j++) {
+            a[j] = _mm512_loadu_si512((const void *)(A->q16 + (t + j) * A->ldq + 32 * b));
+            as[j] = A->qscale[(t + j) * A->ldqs + b];
+        }
+        for (int i = 0; i < R; i++) {
+            const __m512i w = int4_block_i16(p[i].codes + 16 * b);
+            const float ws = int4_scale(p[i], W->scale_offset, b);
+            for (int j = 0; j < TT; j++) {
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, a[j]));
+                acc[i][j] = _mm512_fmadd_ps(s, _mm512_set1_ps(ws * as[j]), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum(acc[i][j]);
+}
+
+/* fp4 x q16, 32 elements (fp4 blocks 2u -> lanes 0-7, 2u+1 -> lanes 8-15). */
+ALWAYS_INLINE __m512i fp4_unit_i16(const uint8_t *codes) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)cism_e2m1_x2);
+    const __m128i x = _mm_loadu_si128((const __m128i *)codes);
+    const __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+    const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); /* elements 0..15 */
+    const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); /* elements 16..31 */
+    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1));
+}
+
+ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size_t r,
+                              const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const size_t units = cism_div_up(W->cols, 32);
+    row_ptr p[8];
+    __m512 acc[8][4];
+    for (int i = 0; i < R; i++) {
+        p[i] = row_at(CISM_FP4, W, r + i);
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (size_t u = 0; u < units; u++) {
+        __m512i a[4];
+        __m512 as[4];
+        for (int j = 0; j < TT; j++) {
+            a[j] = _mm512_loadu_si512((const void *)(A->q16 + (t + j) * A->ldq + 32 * u));
+            as[j] = _mm512_set1_ps(A->qscale[(t + j) * A->ldqs + u]);
+        }
+        for (int i = 0; i < R; i++) {
+            const __m512i w = fp4_unit_i16(p[i].codes + 16 * u);
+            /* the odd block may lie past the row: its scale byte is then the
+             * next row's first code byte (or slack) and meets zero activations;
+             * the table maps the two NaN codes to 0 so nothing can poison it */
+            const uint8_t *sb = p[i].codes + W->scale_offset;
+            const __m512 ws = _mm512_mask_blend_ps(0x00ff, _mm512_set1_ps(e4m3_half[sb[2 * u + 1]]),
+                                                   _mm512_set1_ps(e4m3_half[sb[2 * u]]));
+            for (int j = 0; j < TT; j++) {
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, a[j]));
+                acc[i][j] = _mm512_fmadd_ps(s, _mm512_mul_ps(ws, as[j]), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum(acc[i][j]);
+}
+
+/* kind: 0 = int8 x q8, 1 = int8 x q8 with VNNI, 2 = int4 x q16, 3 = fp4 x q16 */
+ALWAYS_INLINE void tile_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r,
+                          const cism_act *A, size_t t, float *Y, size_t ldy) {
+    if (kind <= 1) tile_i8q8(kind, R, TT, W, r, A, t, Y, ldy);
+    else if (kind == 2) tile_i4q16(R, TT, W, r, A, t, Y, ldy);
+    else tile_f4q16(R, TT, W, r, A, t, Y, ldy);
+}
+
+ALWAYS_INLINE void rows_q(const int kind, const int R, const cism_mat *W, size_t r,
+                          const cism_act *A, size_t t0, size_t t1, float *Y, size_t ldy) {
+    size_t t = t0;
+    for (; t + 4 <= t1; t += 4) tile_q(kind, R, 4, W, r, A, t, Y, ldy);
+    switch (t1 - t) {
+    case 3: tile_q(kind, R, 3, W, r, A, t, Y, ldy); break;
+    case 2: tile_q(kind, R, 2, W, r, A, t, Y, ldy); break;
+    case 1: tile_q(kind, R, 1, W, r, A, t, Y, ldy); break;
+    default: break;
+    }
+}
+
+ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size_t r1,
+                              const cism_act *A, size_t T, float *Y, size_t ldy) {
+    if (T == 1) {
+        size_t r = r0;
+        if (kind <= 1)
+            for (; r + 8 <= r1; r += 8) tile_q(kind, 8, 1, W, r, A, 0, Y, ldy);
+        for (; r + 4 <= r1; r += 4) tile_q(kind, 4, 1, W, r, A, 0, Y, ldy);
+        for (; r < r1; r++) tile_q(kind, 1, 1, W, r, A, 0, Y, ldy);
+        return;
+    }
+    for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
+        const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
+        size_t r = r0;
+        for (; r + 4 <= r1; r += 4) rows_q(kind, 4, W, r, A, t0, t1, Y, ldy);
+        for (; r < r1; r++) rows_q(kind, 1, W, r, A, t0, t1, Y, ldy);
+    }
+}
+
+static void gemm_int8_q8_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                size_t T, float *Y, size_t ldy) {
+    gemm_q_tpl(0, W, r0, r1, A, T, Y, ldy);
+}
+static void gemm_int4_q16_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                 size_t T, float *Y, size_t ldy) {
+    gemm_q_tpl(2, W, r0, r1, A, T, Y, ldy);
+}
+static void gemm_fp4_q16_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                size_t T, float *Y, size_t ldy) {
+    gemm_q_tpl(3, W, r0, r1, A, T, Y, ldy);
+}
+
+#ifdef __AVX512VNNI__
+/* Built only in the avx512vnni translation unit (gemm_avx512vnni.c includes this file). */
+static void gemm_int8_q8_avx512vnni(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                    size_t T, float *Y, size_t ldy) {
+    gemm_q_tpl(1, W, r0, r1, A, T, Y, ldy);
+}
+#endif
+
+/* ---- attention helpers and activation quantization ---- */
+
+static float dot_avx512(const float *a, const float *b, size_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return hsum(acc);
+}
+
+static void axpy_avx512(float a, const float *x, float *y, size_t n) {
+    const __m512 va = _mm512_set1_ps(a);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 r = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+        _mm512_mask_storeu_ps(y + i, m, r);
+    }
+}
+
+/* Absolute maximum and the two rounded halves of one 32-element block. */
+ALWAYS_INLINE float block_absmax(const float *x, size_t start, size_t n, __m512 *v0, __m512 *v1) {
+    const size_t left = start < n ? n - start : 0;
+    const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+    *v0 = _mm512_maskz_loadu_ps(m0, x + start);
+    *v1 = _mm512_maskz_loadu_ps(m1, x + start + 16);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(*v0), _mm512_abs_ps(*v1)));
+}
+
+ALWAYS_INLINE __m512i quant_half(__m512 v, float norm, float limit) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(norm)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(q, _mm512_set1_ps(limit));
+    q = _mm512_max_ps(q, _mm512_set1_ps(-limit));
+    return _mm512_cvtps_epi32(q);
+}
+
+static void quant16_avx512(const float *x, size_t n, int16_t *q, float *scales) {
+    const size_t len = cism_act_len(n);
+    for (size_t b = 0; b * 32 < len; b++) {
+        __m512 v0, v1;
+        const float m = block_absmax(x, 32 * b, n, &v0, &v1);
+        const float norm = m > 0.0f ? 32767.0f / m : 0.0f;
+        scales[b] = m / 32767.0f;
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtepi32_epi16(quant_half(v0, norm, 32767.0f)));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtepi32_epi16(quant_half(v1, norm, 32767.0f)));
+    }
+}
+
+static void quant8_avx512(const float *x, size_t n, int8_t *q, float *scales) {
+    const size_t len = cism_act_len(n);
+    for (size_t b = 0; b * 32 < len; b++) {
+        __m512 v0, v1;
+        const float m = block_absmax(x, 32 * b, n, &v0, &v1);
+        const float norm = m > 0.0f ? 127.0f / m : 0.0f;
+        scales[b] = m / 127.0f;
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(quant_half(v0, norm, 127.0f)));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(quant_half(v1, norm, 127.0f)));
+    }
+}
+
+#ifndef __AVX512VNNI__
+void cism_fill_gemm_avx512(cism_kernels *k) {
+    for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
+    e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
+    k->gemm[CISM_FP32] = gemm_fp32_avx512;
+    k->gemm[CISM_FP16] = gemm_fp16_avx512;
+    k->gemm[CISM_INT8] = gemm_int8_avx512;
+    k->gemm[CISM_INT4] = gemm_int4_avx512;
+    k->gemm[CISM_FP4] = gemm_fp4_avx512;
+    k->gemm_int8_q8 = gemm_int8_q8_avx512;
+    k->gemm_int4_q16 = gemm_int4_q16_avx512;
+    k->gemm_fp4_q16 = gemm_fp4_q16_avx512;
+    k->dot = dot_avx512;
+    k->axpy = axpy_avx512;
+    k->quant16 = quant16_avx512;
+    k->quant8 = quant8_avx512;
+    k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx512";
+}
+#endif

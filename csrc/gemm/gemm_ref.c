@@ -33,18 +33,16 @@ static void dequant_row(const cism_mat *W, size_t r, float *out) {
         for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i];
         break;
     case CISM_INT4: {
-        const size_t blocks = cism_div_up(n, CISM_INT4_BLOCK);
-        const float *scales = W->scales + r * blocks;
         for (size_t i = 0; i < n; i++) {
             const size_t b = i / 32, t = i % 32;
             const uint8_t byte = row[b * 16 + (t % 16)];
             const int code = t < 16 ? (byte & 15) : (byte >> 4);
-            out[i] = (float)(code - 8) * scales[b];
+            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
         }
         break;
     }
     default: { /* CISM_FP4 */
-        const uint8_t *sb = W->fp4_scales + r * cism_div_up(n, CISM_FP4_BLOCK);
+        const uint8_t *sb = row + W->scale_offset;
         for (size_t i = 0; i < n; i++) {
             const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
             out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
@@ -100,7 +98,6 @@ static void gemm_int4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cis
     const size_t n = W->cols, blocks = cism_div_up(n, 32);
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
-        const float *ws = W->scales + r * blocks;
         for (size_t t = 0; t < T; t++) {
             const int16_t *a = A->q16 + t * A->ldq;
             const float *as = A->qscale + t * A->ldqs;
@@ -111,7 +108,7 @@ static void gemm_int4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cis
                     w[i] = (row[b * 16 + i] & 15) - 8;
                     w[i + 16] = (row[b * 16 + i] >> 4) - 8;
                 }
-                const float s = ws[b] * as[b];
+                const float s = cism_int4_scale(row, W->scale_offset, b) * as[b];
                 for (size_t j = 0; j < 16; j++) {
                     /* activations past n are zero, so their products vanish */
                     const int32_t p = w[2 * j] * a[b * 32 + 2 * j] + w[2 * j + 1] * a[b * 32 + 2 * j + 1];
@@ -128,7 +125,7 @@ static void gemm_fp4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cism
     const size_t n = W->cols, blocks = cism_div_up(n, 16);
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
-        const uint8_t *sb = W->fp4_scales + r * blocks;
+        const uint8_t *sb = row + W->scale_offset;
         for (size_t t = 0; t < T; t++) {
             const int16_t *a = A->q16 + t * A->ldq;
             const float *as = A->qscale + t * A->ldqs;
