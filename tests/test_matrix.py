@@ -1,0 +1,344 @@
+"""cism.matrix: packing rules, products on every ISA the host can run, error
+bounds, thread and batch invariance, bad input.
+
+Kernel exactness policy: every SIMD variant implements the canonical
+arithmetic of csrc/kernels.h, so results are compared with the scalar
+reference BIT FOR BIT. Accuracy against float64 is a separate table below.
+"""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cism import _kernels
+from cism.matrix import Matrix
+
+from conftest import runnable_isas
+
+STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
+ISAS = runnable_isas()
+
+# Accuracy of W @ x against float64 for Gaussian weights and activations:
+# normalised mean squared error bound per (storage, act_precision).
+NMSE_BOUND = {
+    ("fp32", "fp32"): 1e-13,   # measured 2.2e-14
+    ("fp16", "fp32"): 1e-7,    # 3.7e-8
+    ("int8", "fp32"): 1e-4,    # 5.4e-5
+    ("int8", "int8"): 1.5e-4,  # 8.3e-5
+    ("int4", "fp32"): 1e-2,    # 6.7e-3
+    ("int4", "int8"): 1e-2,    # 6.7e-3
+    ("fp4", "fp32"): 1e-2,     # 7.9e-3
+    ("fp4", "int8"): 1e-2,     # 7.9e-3
+}
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------- packing ---
+# Independent NumPy statements of each storage rule (csrc/formats.h).
+
+def np_int8(W):
+    m = np.abs(W).max(axis=1)
+    s = np.where(m == 0, np.float32(1), np.maximum(m / np.float32(127), np.float32(1e-45)))
+    s = s.astype(np.float32)
+    q = (W / s[:, None]).astype(np.float64)  # float32 quotient, exactly widened
+    q = np.sign(q) * np.floor(np.abs(q) + 0.5)  # half away from zero
+    return np.clip(q, -127, 127).astype(np.int8), s
+
+
+def np_int4(W):
+    rows, cols = W.shape
+    blocks = -(-cols // 32)
+    codes = np.zeros((rows, blocks, 16), np.uint8)
+    scales = np.zeros((rows, blocks), np.float32)
+    for b in range(blocks):
+        blk = W[:, 32 * b: 32 * b + 32]
+        idx = np.argmax(np.abs(blk), axis=1)
+        extreme = blk[np.arange(rows), idx]
+        s = np.where(extreme == 0, np.float32(1), extreme / np.float32(-8)).astype(np.float32)
+        scales[:, b] = s
+        x = (blk / s[:, None]).astype(np.float32) + np.float32(8.5)
+        code = np.clip(np.trunc(x), 0, 15).astype(np.uint8)
+        for t in range(blk.shape[1]):
+            codes[:, b, t % 16] |= code[:, t] << (0 if t < 16 else 4)
+    return codes, scales
+
+
+E4M3 = []
+for code in range(0x7F):  # non-negative finite codes 0..0x7e
+    e, m = code >> 3, code & 7
+    E4M3.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+E4M3 = np.array(E4M3)
+
+
+def np_e4m3(x):
+    """Nearest E4M3 code by brute force, ties to the even code, saturating."""
+    d = np.abs(E4M3[None, :] - np.asarray(x, np.float64)[:, None])
+    best = d.min(axis=1, keepdims=True)
+    ties = d == best
+    out = []
+    for row in ties:
+        cands = np.flatnonzero(row)
+        even = [c for c in cands if c % 2 == 0]
+        out.append(even[0] if even else cands[0])
+    return np.array(out, np.uint8)
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def np_fp4(W):
+    rows, cols = W.shape
+    blocks = -(-cols // 16)
+    codes = np.zeros((rows, blocks * 8), np.uint8)
+    scales = np.zeros((rows, blocks), np.uint8)
+    for b in range(blocks):
+        blk = W[:, 16 * b: 16 * b + 16]
+        ideal = (np.abs(blk).max(axis=1) / np.float32(6)).astype(np.float32)
+        sc = np_e4m3(ideal)
+        scales[:, b] = sc
+        s = E4M3[sc].astype(np.float32)
+        safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+        mag = (np.abs(blk) / safe[:, None]).astype(np.float32)
+        err = np.abs(mag[:, :, None] - E2M1[None, None, :])
+        best = np.argmin(err, axis=2).astype(np.uint8)  # first minimum: ties to smaller
+        nib = np.where(blk < 0, best | 8, best).astype(np.uint8)
+        for t in range(blk.shape[1]):
+            j = 16 * b + t
+            codes[:, j // 2] |= nib[:, t] << (4 * (j % 2))
+    return codes, scales
+
+
+def special_matrix(rows, cols, seed):
+    """Gaussian rows mixed with all-zero blocks, ties, tiny and huge values."""
+    W = rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    W[0, :] = 0                                   # all-zero row
+    if rows > 1:
+        W[1, : min(cols, 40)] = 0                 # all-zero blocks
+    if rows > 2:
+        W[2] *= np.float32(1e-30)                 # E4M3 subnormal / zero scales
+    if rows > 3:
+        W[3] *= np.float32(1e4)                   # saturating fp4 scales
+    if rows > 4:
+        W[4] = np.round(W[4] * 4) / 4             # many exact ties
+    return W
+
+
+@pytest.mark.parametrize("shape", [(7, 1), (6, 17), (9, 33), (5, 64), (8, 100)])
+def test_packing_matches_numpy_rules(shape):
+    W = special_matrix(*shape, seed=shape[1])
+    assert np.array_equal(Matrix(W, "fp32").codes, W)
+    assert np.array_equal(Matrix(W, "fp16").codes, W.astype(np.float16).view(np.uint16))
+    q, s = np_int8(W)
+    m = Matrix(W, "int8")
+    assert np.array_equal(m.codes, q) and np.array_equal(m.scales, s)
+    codes, scales = np_int4(W)
+    m = Matrix(W, "int4")
+    assert np.array_equal(m.codes, codes) and np.array_equal(m.scales, scales)
+    codes, scales = np_fp4(W)
+    m = Matrix(W, "fp4")
+    assert np.array_equal(m.codes, codes) and np.array_equal(m.scales, scales)
+
+
+def test_int4_signed_max_maps_exactly():
+    W = rng(1).standard_normal((4, 64)).astype(np.float32)
+    deq = Matrix(W, "int4").dequantize()
+    for r in range(4):
+        for b in range(2):
+            blk = W[r, 32 * b: 32 * b + 32]
+            i = np.argmax(np.abs(blk))
+            assert deq[r, 32 * b + i] == blk[i]  # the extreme is exact
+
+
+def test_e4m3_subnormal_scales_are_kept():
+    W = np.full((1, 16), 0.02, np.float32)  # absmax/6 = 0.0033 is an E4M3 subnormal
+    m = Matrix(W, "fp4")
+    assert 0 < m.scales[0, 0] < 8  # a subnormal code, not clamped to 2^-6
+    assert np.allclose(m.dequantize(), W, rtol=0.35)
+
+
+# ------------------------------------------------------- products & ISAs ---
+
+def products(m, X):
+    out = {}
+    for act in ("fp32", "int8"):
+        m.act_precision = act
+        out[act] = m.gemm(X)
+    m.act_precision = "fp32"
+    return out
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_every_isa_matches_reference_bitwise(storage, isa_level):
+    r = rng(3)
+    for rows, cols, T in [(1, 1, 1), (13, 15, 1), (9, 33, 3), (40, 97, 5), (33, 256, 9), (8, 48, 70)]:
+        W = special_matrix(rows, cols, seed=cols).astype(np.float32)
+        X = r.standard_normal((T, cols)).astype(np.float32)
+        m = Matrix(W, storage)
+        isa_level("ref")
+        want = products(m, X)
+        for isa in ISAS[1:]:
+            isa_level(isa)
+            got = products(m, X)
+            for act in want:
+                assert np.array_equal(got[act], want[act]), (isa, storage, act, rows, cols, T)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
+       storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1))
+def test_isa_equality_property(rows, cols, T, storage, seed):
+    r = np.random.default_rng(seed)
+    W = r.standard_normal((rows, cols)).astype(np.float32)
+    X = r.standard_normal((T, cols)).astype(np.float32)
+    m = Matrix(W, storage)
+    before = _kernels.isa()
+    try:
+        _kernels.set_isa("ref")
+        want = products(m, X)
+        _kernels.set_isa(ISAS[-1])
+        got = products(m, X)
+    finally:
+        _kernels.set_isa(before)
+    for act in want:
+        assert np.array_equal(got[act], want[act])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage):
+    r = rng(5)
+    W = r.standard_normal((300, 200)).astype(np.float32)
+    X = r.standard_normal((11, 200)).astype(np.float32)
+    m = Matrix(W, storage)
+    for act in ("fp32", "int8"):
+        m.act_precision = act
+        base = m.gemm(X, threads=1)
+        for threads in (2, 3, 7):
+            assert np.array_equal(m.gemm(X, threads=threads), base)
+        for t in range(0, 11, 3):
+            assert np.array_equal(m.gemv(X[t], threads=2), base[t])
+        for T in (1, 2, 5):  # a prefix batch equals the same rows of the full batch
+            assert np.array_equal(m.gemm(X[:T], threads=2), base[:T])
+
+
+@pytest.mark.parametrize("storage,act", sorted(NMSE_BOUND))
+def test_error_against_float64(storage, act):
+    r = rng(7)
+    W = r.standard_normal((256, 1024)).astype(np.float32)
+    X = r.standard_normal((4, 1024)).astype(np.float32)
+    m = Matrix(W, storage)
+    m.act_precision = act
+    got = m.gemm(X).astype(np.float64)
+    want = X.astype(np.float64) @ W.astype(np.float64).T
+    nmse = np.sum((got - want) ** 2) / np.sum(want ** 2)
+    assert nmse < NMSE_BOUND[(storage, act)], nmse
+
+
+def test_quantized_activations_match_numpy_rule():
+    x = rng(9).standard_normal(100).astype(np.float32)
+    x[32:64] = 0
+    for bits, qmax in ((16, 32767), (8, 127)):
+        codes, scales = _kernels.quantize(x, bits)
+        assert codes.shape == (128,) and scales.shape == (4,)
+        for b in range(4):
+            blk = x[32 * b: 32 * b + 32]
+            m = np.abs(blk).max() if blk.size else np.float32(0)
+            norm = np.float32(qmax) / m if m > 0 else np.float32(0)
+            want = np.clip(np.rint((blk * norm).astype(np.float32)), -qmax, qmax)
+            assert np.array_equal(codes[32 * b: 32 * b + blk.size], want.astype(codes.dtype))
+            assert scales[b] == (m / np.float32(qmax) if m > 0 else 0)
+        assert not codes[100:].any()
+
+
+def test_calls_from_many_python_threads():
+    r = rng(11)
+    W = r.standard_normal((512, 384)).astype(np.float32)
+    mats = {s: Matrix(W, s) for s in STORAGES}
+    X = r.standard_normal((3, 384)).astype(np.float32)
+    want = {s: m.gemm(X, threads=1) for s, m in mats.items()}
+    errors = []
+
+    def work(s):
+        try:
+            for _ in range(20):
+                if not np.array_equal(mats[s].gemm(X, threads=2), want[s]):
+                    errors.append(s)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in STORAGES for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+# ------------------------------------------------------------- accessors ---
+
+def test_row_and_sizes():
+    W = rng(13).standard_normal((10, 70)).astype(np.float32)
+    assert np.array_equal(Matrix(W, "fp32").row(3), W[3])
+    assert np.array_equal(Matrix(W, "fp16").row(4), W[4].astype(np.float16).astype(np.float32))
+    m8 = Matrix(W, "int8")
+    assert np.array_equal(m8.row(5), m8.dequantize()[5])
+    assert Matrix(W, "fp32").nbytes == 10 * 70 * 4
+    assert Matrix(W, "fp16").nbytes == 10 * 70 * 2
+    assert Matrix(W, "int8").nbytes == 10 * 70 + 10 * 4
+    assert Matrix(W, "int4").nbytes == 10 * 3 * (16 + 4)
+    assert Matrix(W, "fp4").nbytes == 10 * 5 * (8 + 1)
+    for s in ("int4", "fp4"):
+        with pytest.raises(ValueError, match="row\\(\\) needs fp32, fp16 or int8"):
+            Matrix(W, s).row(0)
+    with pytest.raises(ValueError, match="out of range"):
+        Matrix(W, "fp32").row(10)
+    m = Matrix(W, "int4")
+    assert (m.rows, m.cols, m.storage, m.act_precision) == (10, 70, "int4", "fp32")
+    assert "int4" in repr(m)
+
+
+def test_views_are_read_only_and_keep_the_matrix_alive():
+    W = rng(14).standard_normal((4, 40)).astype(np.float32)
+    codes = Matrix(W, "int4").codes  # the Matrix itself is dropped here
+    assert not codes.flags.writeable
+    assert codes.shape == (4, 2, 16)
+    assert codes.sum() >= 0
+
+
+# ------------------------------------------------------------- bad input ---
+
+@pytest.mark.parametrize("values,storage,message", [
+    (np.zeros((2, 3), np.float64), "fp32", "float32"),
+    (np.zeros((6,), np.float32), "fp32", "two-dimensional"),
+    (np.zeros((3, 4), np.float32)[:, ::2], "fp32", "C-contiguous"),
+    (np.zeros((0, 4), np.float32), "fp32", "rows must be in"),
+    (np.zeros((4, 0), np.float32), "fp32", "cols must be in"),
+    (np.zeros((2, 3), np.float32), "int3", "unknown storage"),
+    (np.array([[1.0, np.nan]], np.float32), "int8", "finite"),
+    (np.array([[np.inf, 1.0]], np.float32), "fp32", "finite"),
+    ([[1.0, 2.0]], "fp32", "numpy float32 array"),
+])
+def test_bad_construction(values, storage, message):
+    with pytest.raises(ValueError, match=message):
+        Matrix(values, storage)
+
+
+def test_bad_products_and_settings():
+    m = Matrix(np.ones((3, 4), np.float32), "int8")
+    with pytest.raises(ValueError, match="columns"):
+        m.gemv(np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        m.gemv(np.ones(4, np.float64))
+    with pytest.raises(ValueError, match="2-dimensional"):
+        m.gemm(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="finite"):
+        m.gemv(np.array([1, 2, np.nan, 0], np.float32))
+    with pytest.raises(ValueError, match="act_precision"):
+        m.act_precision = "int4"
+    for bad in (0, 65, -1, 2.5, "2", True):
+        with pytest.raises(ValueError, match="threads"):
+            m.gemv(np.ones(4, np.float32), threads=bad)
+    assert m.gemm(np.ones((0, 4), np.float32)).shape == (0, 3)
