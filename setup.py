@@ -113,6 +113,8 @@ def extension(name, sources):
 EXTENSIONS = [
     extension("cism._kernels", ["cism/_kernels.pyx"]),
     extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"]),
+    extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
+    extension("cism._dense", ["cism/_dense.pyx"]),
 ]
 
 DIRECTIVES = {

@@ -1,0 +1,159 @@
+"""Dense decoder-only transformers: Llama and Qwen3 (``cism.dense``).
+
+    from cism.dense import Model
+    model = Model.from_pretrained("path/to/hf-dir-or.gguf", precision="int8")
+    session = model.create_session([1, 2, 3], max_new_tokens=16)
+    tokens = session.next_tokens(16)
+"""
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from cism import _config as C
+from cism._dense import DenseModel, Session  # noqa: F401
+
+MODEL_TYPES = ("llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A dense model's shape, validated with the spec's bounds on creation."""
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tied: bool = False
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError("model_type must be llama or qwen3 (dense models only), "
+                             f"got {self.model_type!r}")
+        set_ = object.__setattr__
+        set_(self, "hidden", C.bound(self.hidden, 65536, "hidden_size"))
+        set_(self, "intermediate", C.bound(self.intermediate, 262144, "intermediate_size"))
+        set_(self, "layers", C.bound(self.layers, 256, "num_hidden_layers"))
+        set_(self, "heads", C.bound(self.heads, 512, "num_attention_heads"))
+        set_(self, "kv_heads", C.bound(self.kv_heads, 512, "num_key_value_heads"))
+        set_(self, "head_dim", C.bound(self.head_dim, 1024, "head_dim"))
+        set_(self, "vocab", C.bound(self.vocab, 2_000_000, "vocab_size"))
+        set_(self, "context", C.bound(self.context, 1_048_576, "max_position_embeddings"))
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise ValueError("attention heads must divide into KV groups and head_dim must be even "
+                             f"(heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim})")
+        C.bound(self.heads * self.head_dim, 65536, "query width")
+        set_(self, "eps", C.positive_float(self.eps, "rms_norm_eps"))
+        set_(self, "rope_theta", C.positive_float(self.rope_theta, "rope_theta"))
+        set_(self, "tied", C.flag(self.tied, "tie_word_embeddings"))
+
+    @property
+    def kv_width(self):
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d):
+        """Map an HF ``config.json`` dict (LlamaConfig / Qwen3Config)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be llama or qwen3 (dense models only), got {model_type!r}")
+        for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
+            if d.get(key):
+                raise ValueError(f"config.json {key}=true is not supported ({what} are not implemented)")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
+        heads = C.hf_get(d, "num_attention_heads")
+        hidden = C.hf_get(d, "hidden_size")
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if not (C.is_int(hidden) and C.is_int(heads) and heads > 0 and hidden % heads == 0):
+                raise ValueError("config.json has no head_dim and hidden_size is not a multiple "
+                                 "of num_attention_heads")
+            head_dim = hidden // heads
+        return cls(
+            model_type=model_type,
+            hidden=hidden,
+            intermediate=C.hf_get(d, "intermediate_size"),
+            layers=C.hf_get(d, "num_hidden_layers"),
+            heads=heads,
+            kv_heads=d.get("num_key_value_heads") if d.get("num_key_value_heads") is not None else heads,
+            head_dim=head_dim,
+            vocab=C.hf_get(d, "vocab_size"),
+            context=C.hf_get(d, "max_position_embeddings"),
+            eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=C.hf_rope_theta(d),
+            tied=d.get("tie_word_embeddings", False),
+        )
+
+    def to_hf(self):
+        return {
+            "model_type": self.model_type, "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab,
+            "max_position_embeddings": self.context, "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta, "tie_word_embeddings": self.tied,
+            "hidden_act": "silu",
+        }
+
+    def canonical(self):
+        """The spec's canonical string of the shape (floats in hex)."""
+        return "|".join([self.model_type] + [str(getattr(self, f.name)) for f in fields(self)[1:9]]
+                        + [float(np.float32(self.eps)).hex(), float(np.float32(self.rope_theta)).hex(),
+                           str(int(self.tied))])
+
+
+def weight_shapes(config, has_head):
+    """Every tensor a dense model needs, name -> shape (HF names)."""
+    c = config
+    shapes = {"model.embed_tokens.weight": (c.vocab, c.hidden), "model.norm.weight": (c.hidden,)}
+    if has_head:
+        shapes["lm_head.weight"] = (c.vocab, c.hidden)
+    elif not c.tied:
+        raise ValueError("missing lm_head.weight for untied model")
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    for i in range(c.layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, c.hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, c.hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, c.hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden, q)
+        if c.model_type == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate, c.hidden)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate, c.hidden)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden, c.intermediate)
+    total = sum(C.checked_elements(s) * 4 for s in shapes.values())
+    if total > C.MAX_WEIGHT_BYTES:
+        raise ValueError("FP32 source weights exceed the 64 GiB safety limit")
+    return shapes
+
+
+class Model(DenseModel):
+    """A dense Llama/Qwen3 model (see DenseModel for the methods)."""
+
+    config_class = Config
+
+    @classmethod
+    def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32"):
+        """Load an HF directory (config.json + safetensors), a GGUF file or a
+        llama2.c .bin checkpoint."""
+        from cism.loaders import load_checkpoint
+        ckpt = load_checkpoint(path)
+        config = Config.from_hf(ckpt.config)
+        model = cls(config, ckpt.weights, precision=precision, threads=threads,
+                    act_precision=act_precision)
+        model.source = ckpt
+        ckpt.weights = None  # the packed matrices hold everything now
+        return model

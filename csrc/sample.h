@@ -1,0 +1,43 @@
+/* Token selection: the spec's sampler bit for bit, and the prompt-lookup drafter. */
+#ifndef CISM_SAMPLE_H
+#define CISM_SAMPLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* std::mt19937_64, exactly (seed 5489 -> first output 14514284786278117030). */
+typedef struct {
+    uint64_t mt[312];
+    size_t index;
+} cism_mt64;
+
+void cism_mt64_seed(cism_mt64 *g, uint64_t seed);
+uint64_t cism_mt64_next(cism_mt64 *g);
+
+/* Scratch the sampler reuses between calls (one per session/sequence). */
+typedef struct {
+    uint64_t *keys, *tmp;
+    double *probs;
+    size_t cap;
+} cism_sampler;
+
+void cism_sampler_free(cism_sampler *s);
+
+/* First index of the largest logit (std::max_element). */
+size_t cism_argmax(const float *logits, size_t n);
+
+/* The spec's sampler: temperature 0 -> argmax; otherwise order tokens by
+ * logit (descending, ties by ascending index), keep top_k (0 = all), take
+ * probabilities exp((l - max)/temperature) in double, cut the nucleus at
+ * top_p * total, and walk it with one draw (rng >> 11) * 2^-53 * total.
+ * Returns the token, or -1 when scratch memory cannot be allocated. */
+int64_t cism_sample(const float *logits, size_t vocab, double temperature, double top_p,
+                    size_t top_k, cism_mt64 *rng, cism_sampler *s);
+
+/* Prompt-lookup drafter (spec v4): for each draft position take the longest
+ * trailing n-gram (n <= 3) of history + draft so far and emit the token that
+ * followed its most recent occurrence strictly inside the history; stop when
+ * there is none. Writes at most k tokens to out; returns how many. */
+size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out);
+
+#endif
