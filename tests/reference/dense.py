@@ -1,0 +1,196 @@
+"""NumPy reference forward pass for dense Llama and Qwen3 decoders (HF layout).
+
+Inputs
+------
+``config``: an HF ``config.json``-style dict with
+
+    model_type            "llama" | "qwen3"
+    hidden_size           D
+    intermediate_size     F
+    num_hidden_layers     L
+    num_attention_heads   H
+    num_key_value_heads   Hkv            (H % Hkv == 0; each KV head serves H/Hkv heads)
+    head_dim              Dh             (default D // H; Qwen3 sets it explicitly)
+    vocab_size            V
+    rms_norm_eps          eps
+    rope_theta            theta          (or rope_parameters["rope_theta"], transformers 5)
+    tie_word_embeddings   lm_head == embed_tokens when true
+
+``weights``: HF tensor names -> arrays, every linear weight stored (out, in):
+
+    model.embed_tokens.weight                      (V, D)
+    model.layers.N.input_layernorm.weight          (D,)
+    model.layers.N.self_attn.q_proj.weight         (H*Dh, D)
+    model.layers.N.self_attn.k_proj.weight         (Hkv*Dh, D)
+    model.layers.N.self_attn.v_proj.weight         (Hkv*Dh, D)
+    model.layers.N.self_attn.o_proj.weight         (D, H*Dh)
+    model.layers.N.self_attn.q_norm.weight         (Dh,)   qwen3 only
+    model.layers.N.self_attn.k_norm.weight         (Dh,)   qwen3 only
+    model.layers.N.post_attention_layernorm.weight (D,)
+    model.layers.N.mlp.gate_proj.weight            (F, D)
+    model.layers.N.mlp.up_proj.weight              (F, D)
+    model.layers.N.mlp.down_proj.weight            (D, F)
+    model.norm.weight                              (D,)
+    lm_head.weight                                 (V, D)  only read when untied
+
+Equations (x_t is the residual stream of token t at absolute position p_t)
+---------------------------------------------------------------------------
+    rms(x; g)      = x / sqrt(mean(x^2) + eps) * g
+    x_t            = embed[token_t]
+    per layer:
+      h            = rms(x; input_layernorm)
+      q, k, v      = Wq h, Wk h, Wv h               split into heads of Dh
+      qwen3:  q_i  = rms(q_i; q_norm), k_j = rms(k_j; k_norm)   per head, before RoPE
+      RoPE (HF rotate-half): for i < Dh/2, inv_freq_i = theta^(-2i/Dh), a = p * inv_freq_i,
+              (u_i, u_{i+Dh/2}) <- (u_i cos a - u_{i+Dh/2} sin a, u_{i+Dh/2} cos a + u_i sin a)
+      att_i(t)     = sum_{s<=t} softmax_s(q_i(t).k_j(s) / sqrt(Dh)) v_j(s),  j = i // (H/Hkv)
+      x           += Wo concat_i att_i
+      h            = rms(x; post_attention_layernorm)
+      x           += Wdown (silu(Wgate h) * Wup h)          silu(z) = z sigmoid(z)
+    logits_t       = Whead rms(x_t; model.norm)
+
+The whole sequence goes through every matmul at once (T rows), so SmolLM2-135M over
+512 tokens takes a few seconds in float32. ``greedy`` keeps a KV cache and feeds one
+token at a time after the prompt, like an engine's decode loop.
+"""
+import math
+
+import numpy as np
+
+__all__ = ["logits", "greedy", "nll", "forward"]
+
+
+def _cfg(config):
+    """Derived sizes, named once."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    theta = config.get("rope_theta")
+    if theta is None:
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    model_type = config.get("model_type", "llama")
+    if model_type not in ("llama", "qwen3"):
+        raise ValueError(f"unsupported model_type {model_type!r}")
+    if heads % kv_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    return dict(model_type=model_type, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, layers=config["num_hidden_layers"],
+                vocab=config["vocab_size"], eps=float(config.get("rms_norm_eps", 1e-6)),
+                theta=float(theta), tied=bool(config.get("tie_word_embeddings", False)))
+
+
+def _rms_norm(x, weight, eps):
+    """rms(x; g) over the last axis."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rope(u, positions, theta):
+    """HF rotate-half RoPE. u: (T, heads, Dh); positions: (T,) absolute."""
+    half = u.shape[-1] // 2
+    inv_freq = theta ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))  # (Dh/2,)
+    angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]                # (T, Dh/2)
+    cos = np.cos(angle).astype(u.dtype)[:, None, :]
+    sin = np.sin(angle).astype(u.dtype)[:, None, :]
+    a, b = u[..., :half], u[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _silu(z):
+    return z / (1.0 + np.exp(-z))
+
+
+class _Weights:
+    """Casts each HF tensor to the working dtype once, on first use."""
+
+    def __init__(self, weights, dtype):
+        self._src, self._dtype, self._cache = weights, dtype, {}
+
+    def __call__(self, name):
+        if name not in self._cache:
+            self._cache[name] = np.asarray(self._src[name]).astype(self._dtype, copy=False)
+        return self._cache[name]
+
+
+def forward(config, weights, tokens, cache=None, dtype=np.float64):
+    """Run ``tokens`` after the ``cache`` (a dict made and grown here; pass the same
+    dict back to continue). Returns logits (T, V) for the new tokens."""
+    c = _cfg(config)
+    w = weights if isinstance(weights, _Weights) else _Weights(weights, dtype)
+    dtype = w._dtype
+    if cache is None:
+        cache = {}
+    tokens = np.asarray(tokens, dtype=np.int64)
+    T, Dh, H, Hkv = len(tokens), c["head_dim"], c["heads"], c["kv_heads"]
+    start = cache.get("length", 0)
+    positions = np.arange(start, start + T)
+    # new token t (absolute start+t) may see cached/new keys s <= start+t
+    mask = np.arange(start + T)[None, :] > positions[:, None]              # (T, start+T)
+    x = w("model.embed_tokens.weight")[tokens]                               # (T, D)
+    for n in range(c["layers"]):
+        p = f"model.layers.{n}."
+        # attention rmsnorm
+        h = _rms_norm(x, w(p + "input_layernorm.weight"), c["eps"])
+        q = (h @ w(p + "self_attn.q_proj.weight").T).reshape(T, H, Dh)
+        k = (h @ w(p + "self_attn.k_proj.weight").T).reshape(T, Hkv, Dh)
+        v = (h @ w(p + "self_attn.v_proj.weight").T).reshape(T, Hkv, Dh)
+        if c["model_type"] == "qwen3":
+            # per-head q/k RMSNorm over head_dim, before RoPE
+            q = _rms_norm(q, w(p + "self_attn.q_norm.weight"), c["eps"])
+            k = _rms_norm(k, w(p + "self_attn.k_norm.weight"), c["eps"])
+        # rotate q and k
+        q, k = _rope(q, positions, c["theta"]), _rope(k, positions, c["theta"])
+        # append to this layer's cache
+        if n in cache:
+            k = np.concatenate([cache[n][0], k]); v = np.concatenate([cache[n][1], v])
+        cache[n] = (k, v)                                                    # (start+T, Hkv, Dh)
+        # causal GQA attention: head i reads KV head i // (H/Hkv)
+        kh = np.repeat(k, H // Hkv, axis=1).transpose(1, 2, 0)              # (H, Dh, S)
+        vh = np.repeat(v, H // Hkv, axis=1).transpose(1, 0, 2)              # (H, S, Dh)
+        scores = (q.transpose(1, 0, 2) @ kh) / math.sqrt(Dh)                 # (H, T, S)
+        scores = np.where(mask[None], -np.inf, scores)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        att = (probs @ vh).transpose(1, 0, 2).reshape(T, H * Dh)            # (T, H*Dh)
+        # residual
+        x = x + att @ w(p + "self_attn.o_proj.weight").T
+        # SwiGLU MLP
+        h = _rms_norm(x, w(p + "post_attention_layernorm.weight"), c["eps"])
+        gate = h @ w(p + "mlp.gate_proj.weight").T
+        up = h @ w(p + "mlp.up_proj.weight").T
+        x = x + (_silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+    cache["length"] = start + T
+    # final norm and head
+    h = _rms_norm(x, w("model.norm.weight"), c["eps"])
+    head = w("model.embed_tokens.weight") if c["tied"] else w("lm_head.weight")
+    return h @ head.T
+
+
+def logits(config, weights, tokens, dtype=np.float64):
+    """Logits (T, vocab) at every position of ``tokens`` (causal)."""
+    return forward(config, weights, tokens, None, dtype)
+
+
+def greedy(config, weights, prompt, n, dtype=np.float64):
+    """``n`` greedy (argmax, lowest id on ties) continuation tokens of ``prompt``."""
+    w = _Weights(weights, dtype)
+    cache = {}
+    last = forward(config, w, prompt, cache)[-1]
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(last))
+        out.append(token)
+        if len(out) < n:
+            last = forward(config, w, [token], cache)[-1]
+    return out
+
+
+def nll(config, weights, tokens, dtype=np.float64):
+    """Mean negative log-likelihood of tokens[1:] given their prefixes."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) < 2:
+        raise ValueError("nll needs at least 2 tokens")
+    z = logits(config, weights, tokens, dtype)[:-1].astype(np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    logz = m[:, 0] + np.log(np.exp(z - m).sum(axis=-1))
+    return float(np.mean(logz - z[np.arange(len(z)), tokens[1:]]))
