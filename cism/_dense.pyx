@@ -405,6 +405,100 @@ cdef class DenseModel:
         (teacher forcing, positions from zero), in one pass."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
 
+    # ---- paged KV and batches ----
+
+    def _paged_state(self):
+        with self.lock_:
+            if self.paged_state is None:
+                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks())
+                self.paged_state = PagedState(BlockPool(cap, self.c.layers, self.c.kv_width), cap)
+            return self.paged_state
+
+    def create_paged_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                             seed=0, eos=(), priority=0):
+        return PagedSession(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos, priority)
+
+    def create_paged_fork_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                                  seed=0, eos=(), src=None, prefix_len=0, priority=0):
+        """A paged session whose first prefix_len tokens share src's cached
+        blocks (copy on write). Its prompt must start with exactly those tokens
+        of src's history; only the rest is prefilled."""
+        if src is None:
+            raise ValueError("fork source session is null")
+        if not isinstance(src, PagedSession):
+            raise ValueError("fork source must be a PagedSession")
+        if (<PagedSession>src).model is not self:
+            raise ValueError("fork source belongs to a different model")
+        prefix_len = check_count(prefix_len, "prefix_len")
+        p = as_tokens(prompt, self.c.vocab)
+        if len(p) < prefix_len:
+            raise ValueError(f"fork prefix longer than child prompt ({prefix_len} > {len(p)})")
+        hist, logits = src._source_view()
+        if len(p) == prefix_len:
+            # nothing to prefill: the first sample needs the source's logits
+            # for exactly this prefix, or it would sample garbage
+            if prefix_len == 0:
+                raise ValueError("fork with empty prompt cannot seed first-token logits")
+            if len(hist) != prefix_len:
+                raise ValueError("fork source advanced past the shared prefix; "
+                                 "empty-suffix fork cannot seed first-token logits")
+            if logits is None:
+                raise ValueError("fork source has no forward output to seed from; "
+                                 "prefill the source first")
+        if prefix_len > len(hist):
+            raise ValueError(f"fork prefix longer than source history ({prefix_len} > {len(hist)})")
+        if not np.array_equal(p[:prefix_len], hist[:prefix_len]):
+            raise ValueError("fork prefix tokens differ from source history")
+        fork = {"prefix": np.ascontiguousarray(p[:prefix_len]),
+                "suffix": np.ascontiguousarray(p[prefix_len:]),
+                "src_req": (<PagedSession>src).req_id, "seed_logits": logits}
+        return PagedSession(self, None, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                            priority, _fork=fork)
+
+    def create_batch_session(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                             seed=0, eos=(), seq_seeds=None):
+        return BatchSession(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                            seq_seeds)
+
+    def paged_logits(self, prompt):
+        """Next-token logits after the prompt, computed through the paged pool."""
+        s = PagedSession(self, prompt, 0)
+        try:
+            s.prefill_fork_source()
+            return s.last_logits
+        finally:
+            s.release()
+
+    def paged_pool_usage(self):
+        """(logical used, free, total) blocks of the shared pool."""
+        st = self._paged_state()
+        with st.lock:
+            return st.pool.usage()
+
+    def paged_pool_phys_used(self):
+        st = self._paged_state()
+        with st.lock:
+            return st.pool.phys_used()
+
+    def paged_pool_max_blocks(self):
+        st = self._paged_state()
+        with st.lock:
+            return st.max_blocks
+
+    def paged_pool_reset(self, max_blocks=0):
+        """Replace the pool (max_blocks 0 keeps the cap). Safe at any time:
+        live paged sessions recompute their cache on their next call."""
+        max_blocks = check_count(max_blocks, "max_blocks")
+        st = self._paged_state()
+        with st.lock:
+            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks)
+            st.pool = BlockPool(cap, self.c.layers, self.c.kv_width)
+            st.max_blocks = cap
+
+    def paged_pool(self):
+        """The shared BlockPool (for inspection; hold no reference across calls)."""
+        return self._paged_state().pool
+
     def __repr__(self):
         c = self.config
         return (f"{type(self).__name__}({c.model_type}, layers={c.layers}, hidden={c.hidden}, "
@@ -718,191 +812,250 @@ cdef object check_count(value, name):
     return int(value)
 
 
+cdef struct Params:
+    # sampling shared by the sequences of a session
+    double temperature, top_p
+    size_t top_k
+    int64_t *eos
+    size_t n_eos
+
+
+cdef struct Seq:
+    # one sequence's generation state
+    int64_t *prompt            # tokens not yet run (prefilled on first use)
+    size_t prompt_len
+    int64_t *history           # tokens whose keys/values are cached, in order
+    size_t hist_len
+    size_t capacity, position, generated, max_new
+    float *logits              # (vocab,) distribution for the next token
+    bint have_logits
+    cism_mt64 rng
+    cism_sampler sampler
+    int finish
+    KV kv
+
+
+cdef int seq_alloc(Seq *s, const int64_t *prompt, size_t prompt_len, size_t max_new,
+                   size_t vocab, uint64_t seed) noexcept nogil:
+    memset(s, 0, sizeof(Seq))
+    s.capacity = prompt_len + max_new
+    s.max_new = max_new
+    s.prompt = <int64_t*>malloc((prompt_len + 1) * sizeof(int64_t))
+    s.history = <int64_t*>malloc((s.capacity + 1) * sizeof(int64_t))
+    s.logits = <float*>malloc(vocab * sizeof(float))
+    if s.prompt == NULL or s.history == NULL or s.logits == NULL:
+        return NOMEM
+    memcpy(s.prompt, prompt, prompt_len * sizeof(int64_t))
+    s.prompt_len = prompt_len
+    rng_seed(&s.rng, seed)
+    if max_new == 0:
+        s.finish = LENGTH
+    return OK
+
+
+cdef void seq_free(Seq *s) noexcept nogil:
+    free(s.prompt)
+    free(s.history)
+    free(s.logits)
+    sampler_free(&s.sampler)
+    s.prompt = NULL
+    s.history = NULL
+    s.logits = NULL
+
+
+cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
+    cdef size_t n = m.layers * capacity * m.kv_width
+    kv.capacity = capacity
+    kv.layers = m.layers
+    kv.kv_width = m.kv_width
+    kv.blocks = NULL
+    if kv.keys == NULL:
+        kv.keys = <float*>malloc(n * sizeof(float) + 64)
+        kv.values = <float*>malloc(n * sizeof(float) + 64)
+        if kv.keys == NULL or kv.values == NULL:
+            return NOMEM
+    return OK
+
+
+cdef void kv_free(KV *kv) noexcept nogil:
+    free(kv.keys)
+    free(kv.values)
+    kv.keys = NULL
+    kv.values = NULL
+
+
+cdef inline bint params_eos(const Params *p, int64_t token) noexcept nogil:
+    cdef size_t i
+    for i in range(p.n_eos):
+        if p.eos[i] == token:
+            return True
+    return False
+
+
+cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept nogil:
+    """Count an emitted token: eos -> stop, budget reached -> length."""
+    s.generated += 1
+    if params_eos(p, token):
+        s.finish = STOP
+    elif s.generated == s.max_new:
+        s.finish = LENGTH
+
+
+cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t T,
+                 float *rows, const int *cancel) noexcept nogil:
+    """Forward T tokens of one sequence at its position, in chunks. rows ==
+    NULL: logits of the last token into s.logits; else logits of every token
+    into rows (T, vocab) and the last also into s.logits."""
+    cdef size_t start = 0, n, i, vocab = m.vocab
+    cdef int rc
+    while start < T:
+        n = T - start
+        if n > PREFILL_CHUNK:
+            n = PREFILL_CHUNK
+        if work_reserve(w, m, n, 0, 0) != 0:
+            return NOMEM
+        for i in range(n):
+            w.seq_of[i] = 0
+            w.pos_of[i] = s.position + i
+        if rows != NULL:
+            for i in range(n):
+                w.out_rows[i] = i
+            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, n, rows + start * vocab, cancel)
+        elif start + n == T:
+            w.out_rows[0] = n - 1
+            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, 1, s.logits, cancel)
+        else:
+            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, 0, NULL, cancel)
+        if rc != OK:
+            return rc
+        s.position += n
+        start += n
+    if rows != NULL and T > 0:
+        memcpy(s.logits, rows + (T - 1) * vocab, vocab * sizeof(float))
+    s.have_logits = True
+    return OK
+
+
+cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos):
+    p.temperature, p.top_p, p.top_k = check_sampling(temperature, top_p, top_k, vocab)
+    if isinstance(eos, (int, np.integer)):
+        eos = [eos]
+    e = as_tokens(eos if isinstance(eos, np.ndarray) else list(eos), vocab, "eos", True)
+    p.n_eos = len(e)
+    p.eos = <int64_t*>malloc((len(e) + 1) * sizeof(int64_t))
+    if p.eos == NULL:
+        raise MemoryError
+    if len(e):
+        memcpy(p.eos, cnp.PyArray_DATA(e), len(e) * sizeof(int64_t))
+
+
+cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, size_t sequences=1):
+    capacity = prompt_len + max_new
+    if capacity > m.context:
+        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                         f"({prompt_len} + {max_new} > {m.context})")
+    kv_bytes = 2 * 4 * m.layers * capacity * m.kv_width * sequences
+    if kv_bytes > MAX_KV_BYTES:
+        raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({kv_bytes} bytes)")
+
+
+cdef object raise_for(int rc, what="inference"):
+    if rc == NOMEM:
+        raise MemoryError(f"out of memory during {what}; the session is cancelled")
+    if rc == NONFINITE:
+        raise RuntimeError(f"non-finite logits during {what}; the session is cancelled")
+
+
+cdef object _logits_copy(const float *p, size_t n):
+    out = np.empty(n, np.float32)
+    memcpy(cnp.PyArray_DATA(out), p, n * sizeof(float))
+    return out
+
+
 cdef class Session:
     """One generation over a dense model with its own contiguous KV cache
-    ``(layers, capacity, kv_width)``. Methods may be called from any thread;
-    calls on one session run one at a time, and ``cancel()`` is always safe."""
+    ``(layers, capacity, kv_width)``. Calls on one session run one at a
+    time (from any thread); ``cancel()`` is safe at any moment."""
     cdef DenseModel model
     cdef const ModelC *m
+    cdef Seq s
+    cdef Params p
     cdef Work w
-    cdef KV kv
-    cdef int64_t *prompt       # pending prompt (prefilled on first use)
-    cdef size_t prompt_len
-    cdef int64_t *history      # tokens whose keys/values are cached, in order
-    cdef size_t hist_len
-    cdef size_t capacity, position, generated, max_new
-    cdef float *logits_        # (vocab,) distribution for the next token
-    cdef bint have_logits
-    cdef float *block_logits   # (T, vocab) during verification
+    cdef float *block_logits     # (ncand, vocab) during verification
     cdef size_t block_cap
-    cdef double temperature, top_p
-    cdef size_t top_k
-    cdef cism_mt64 rng
-    cdef cism_sampler sampler
-    cdef int64_t *eos
-    cdef size_t n_eos
     cdef int cancelled
-    cdef int finish
     cdef size_t spec_proposed, spec_accepted
     cdef int64_t emitted[MAX_K + 1]
     cdef int64_t cands[MAX_K]
     cdef object lock
 
     def __cinit__(self):
+        memset(&self.s, 0, sizeof(Seq))
+        memset(&self.p, 0, sizeof(Params))
         memset(&self.w, 0, sizeof(Work))
-        memset(&self.kv, 0, sizeof(KV))
-        memset(&self.sampler, 0, sizeof(cism_sampler))
-        self.prompt = NULL
-        self.history = NULL
-        self.logits_ = NULL
         self.block_logits = NULL
-        self.eos = NULL
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=()):
         self.model = model
         self.m = &model.c
-        vocab = model.c.vocab
-        p = as_tokens(prompt, vocab)
+        p = as_tokens(prompt, model.c.vocab)
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        self.temperature, self.top_p, self.top_k = check_sampling(temperature, top_p, top_k, vocab)
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
         seed = check_seed(seed)
-        e = as_tokens(list(eos) if not isinstance(eos, np.ndarray) else eos, vocab, "eos", True)
-        capacity = len(p) + max_new
-        if capacity > model.c.context:
-            raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
-                             f"({len(p)} + {max_new} > {model.c.context})")
-        kv_bytes = 2 * 4 * model.c.layers * capacity * model.c.kv_width
-        if kv_bytes > MAX_KV_BYTES:
-            raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({kv_bytes} bytes)")
-        self.capacity = capacity
-        self.max_new = max_new
-        self.prompt_len = len(p)
-        self.prompt = <int64_t*>malloc(max(1, len(p)) * sizeof(int64_t))
-        self.history = <int64_t*>malloc(max(1, capacity) * sizeof(int64_t))
-        self.logits_ = <float*>malloc(vocab * sizeof(float))
-        self.n_eos = len(e)
-        self.eos = <int64_t*>malloc(max(1, len(e)) * sizeof(int64_t))
-        if self.prompt == NULL or self.history == NULL or self.logits_ == NULL or self.eos == NULL:
+        check_capacity(self.m, len(p), max_new)
+        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), max_new,
+                     model.c.vocab, seed) != OK:
             raise MemoryError("cannot allocate session state")
-        if len(p):
-            memcpy(self.prompt, cnp.PyArray_DATA(p), len(p) * sizeof(int64_t))
-        if len(e):
-            memcpy(self.eos, cnp.PyArray_DATA(e), len(e) * sizeof(int64_t))
-        rng_seed(&self.rng, seed)
-        self.kv.capacity = capacity
-        self.kv.layers = model.c.layers
-        self.kv.kv_width = model.c.kv_width
         self.lock = threading.Lock()
-        if max_new == 0:
-            self.finish = LENGTH
 
     def __dealloc__(self):
-        free(self.prompt)
-        free(self.history)
-        free(self.logits_)
+        seq_free(&self.s)
+        kv_free(&self.s.kv)
+        free(self.p.eos)
         free(self.block_logits)
-        free(self.eos)
-        free(self.kv.keys)
-        free(self.kv.values)
         work_free(&self.w)
-        sampler_free(&self.sampler)
 
     # ---- nogil core ----
 
-    cdef int run(self, const int64_t *tokens, size_t T, bint all_rows) noexcept nogil:
-        """Forward T tokens at the current position; logits of the last token
-        (all_rows: of every token, into block_logits)."""
-        cdef size_t i
-        cdef int rc
-        if work_reserve(&self.w, self.m, T, 0, 0) != 0:
-            return NOMEM
-        for i in range(T):
-            self.w.seq_of[i] = 0
-            self.w.pos_of[i] = self.position + i
-        if all_rows:
-            if T * self.m.vocab > self.block_cap:
-                if grow_f(&self.block_logits, T * self.m.vocab):
-                    return NOMEM
-                self.block_cap = T * self.m.vocab
-            for i in range(T):
-                self.w.out_rows[i] = i
-            rc = forward(self.m, &self.w, tokens, T, &self.kv, self.w.out_rows, T,
-                         self.block_logits, &self.cancelled)
-            if rc == OK:
-                memcpy(self.logits_, self.block_logits + (T - 1) * self.m.vocab,
-                       self.m.vocab * sizeof(float))
-        else:
-            self.w.out_rows[0] = T - 1
-            rc = forward(self.m, &self.w, tokens, T, &self.kv, self.w.out_rows, 1,
-                         self.logits_, &self.cancelled)
-        if rc == OK:
-            self.position += T
-            self.have_logits = True
-        return rc
-
-    cdef int alloc_kv(self) noexcept nogil:
-        cdef size_t n = self.m.layers * self.capacity * self.m.kv_width
-        if self.kv.keys == NULL:
-            self.kv.keys = <float*>malloc(n * sizeof(float) + 64)
-            self.kv.values = <float*>malloc(n * sizeof(float) + 64)
-            if self.kv.keys == NULL or self.kv.values == NULL:
-                return NOMEM
-        return OK
-
     cdef int prefill(self) noexcept nogil:
-        """Run the pending prompt in chunks (bitwise equal to one block)."""
-        cdef size_t start = 0, n
         cdef int rc
-        if self.prompt_len == 0:
+        if self.s.prompt_len == 0:
             return OK
         if cism_flag_get(&self.cancelled):
             return CANCELLED
-        if self.alloc_kv() != OK:
+        # the cache is allocated only once the caller holds a cancellable session
+        if kv_alloc(&self.s.kv, self.m, self.s.capacity) != OK:
             return NOMEM
-        while start < self.prompt_len:
-            n = self.prompt_len - start
-            if n > PREFILL_CHUNK:
-                n = PREFILL_CHUNK
-            rc = self.run(self.prompt + start, n, False)
-            if rc != OK:
-                return rc
-            start += n
-        memcpy(self.history + self.hist_len, self.prompt, self.prompt_len * sizeof(int64_t))
-        self.hist_len += self.prompt_len
-        self.prompt_len = 0
+        rc = seq_run(self.m, &self.w, &self.s, self.s.prompt, self.s.prompt_len, NULL, &self.cancelled)
+        if rc != OK:
+            return rc
+        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
+        self.s.hist_len += self.s.prompt_len
+        self.s.prompt_len = 0
         return OK
 
-    cdef int64_t sample(self) noexcept nogil:
-        return sample_token(self.logits_, self.m.vocab, self.temperature, self.top_p, self.top_k,
-                            &self.rng, &self.sampler)
-
-    cdef bint is_eos(self, int64_t token) noexcept nogil:
-        cdef size_t i
-        for i in range(self.n_eos):
-            if self.eos[i] == token:
-                return True
-        return False
-
     cdef int verify_block(self, size_t ncand, size_t *n_emitted) noexcept nogil:
-        """Greedy verification of self.cands[:ncand] (temperature 0): emit the
-        head token; when it equals the first candidate, forward the whole
-        block once, accept the argmax-matching prefix and add the correction
-        (or bonus) token, rolling back the positions of rejected drafts."""
-        cdef size_t allowed = self.max_new - self.generated
+        """Greedy verification of cands[:ncand]: emit the head token; when it
+        equals the first candidate, forward the block once, accept the
+        argmax-matching prefix, add the correction (or bonus) token and roll
+        back the positions of rejected drafts. Respects the budget."""
+        cdef size_t allowed = self.s.max_new - self.s.generated
         cdef size_t accepted = 0, n = 0, vocab = self.m.vocab
-        cdef int64_t first
         cdef int rc
         n_emitted[0] = 0
         if allowed == 0:
             return OK
         self.spec_proposed += ncand
-        first = <int64_t>argmax(self.logits_, vocab)
-        self.emitted[n] = first
-        n += 1
-        if allowed > 1 and first == self.cands[0]:
+        self.emitted[0] = <int64_t>argmax(self.s.logits, vocab)
+        n = 1
+        if allowed > 1 and self.emitted[0] == self.cands[0]:
             accepted = 1
-            rc = self.run(self.cands, ncand, True)
+            if ncand * vocab > self.block_cap:
+                if grow_f(&self.block_logits, ncand * vocab):
+                    return NOMEM
+                self.block_cap = ncand * vocab
+            rc = seq_run(self.m, &self.w, &self.s, self.cands, ncand, self.block_logits, &self.cancelled)
             if rc != OK:
                 self.spec_accepted += accepted
                 n_emitted[0] = n
@@ -916,7 +1069,7 @@ cdef class Session:
             if n < allowed:
                 self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
                 n += 1
-            self.position -= ncand - accepted
+            self.s.position -= ncand - accepted
             self.spec_accepted += accepted
         n_emitted[0] = n
         return OK
@@ -930,7 +1083,8 @@ cdef class Session:
         if ncand >= 1:
             rc = self.verify_block(ncand, &n)
         else:
-            tok = self.sample()
+            tok = sample_token(self.s.logits, self.m.vocab, self.p.temperature, self.p.top_p,
+                               self.p.top_k, &self.s.rng, &self.s.sampler)
             if tok < 0:
                 return NOMEM
             self.emitted[0] = tok
@@ -938,40 +1092,29 @@ cdef class Session:
         for i in range(n):
             out[produced[0]] = self.emitted[i]
             produced[0] += 1
-            self.generated += 1
-            if self.is_eos(self.emitted[i]):
-                self.finish = STOP
-            elif self.generated == self.max_new:
-                self.finish = LENGTH
-            if self.finish != RUNNING:
+            seq_account(&self.s, &self.p, self.emitted[i])
+            if self.s.finish != RUNNING:
                 break
-        if rc != OK:
+        if rc != OK or self.s.finish != RUNNING:
             return rc
-        if self.finish != RUNNING:
-            return OK
         if cism_flag_get(&self.cancelled):
             return CANCELLED
-        # intermediate accepted tokens are already cached by the verify block
-        rc = self.run(&self.emitted[n - 1], 1, False)
+        # the accepted drafts are cached already; only the last token runs
+        rc = seq_run(self.m, &self.w, &self.s, &self.emitted[n - 1], 1, NULL, &self.cancelled)
         if rc != OK:
             return rc
-        memcpy(self.history + self.hist_len, self.emitted, n * sizeof(int64_t))
-        self.hist_len += n
+        memcpy(self.s.history + self.s.hist_len, self.emitted, n * sizeof(int64_t))
+        self.s.hist_len += n
         return OK
 
-    cdef int generate(self, size_t count, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
-        cdef size_t wanted, budget, k, ncand
+    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
+        cdef size_t budget, k, ncand
         cdef int rc
         produced[0] = 0
-        if self.finish != RUNNING:
+        if self.s.finish != RUNNING or wanted == 0:
             return OK
         if cism_flag_get(&self.cancelled):
             return CANCELLED
-        wanted = self.max_new - self.generated
-        if count < wanted:
-            wanted = count
-        if wanted == 0:
-            return OK
         rc = self.prefill()
         if rc != OK:
             return rc
@@ -982,67 +1125,57 @@ cdef class Session:
             ncand = 0
             if spec_k >= 2:
                 k = spec_k if spec_k < budget - 1 else budget - 1
-                ncand = draft_tokens(self.history, self.hist_len, k, self.cands)
+                ncand = draft_tokens(self.s.history, self.s.hist_len, k, self.cands)
                 if ncand < 2:
                     ncand = 0  # too short to pay for a verification block
             rc = self.step(ncand, out, produced)
-            if rc != OK:
+            if rc != OK or self.s.finish != RUNNING:
                 return rc
-            if self.finish != RUNNING:
-                break
         return OK
 
     # ---- Python API ----
 
-    cdef object fail(self, int rc):
-        """Turn a nogil return code into the session's state and an exception."""
+    cdef object finish_call(self, int rc):
+        """Turn a return code into session state (and an exception on failure:
+        a failed forward leaves a half-written cache, so the session is done)."""
         if rc == OK:
             return
+        if self.s.finish == RUNNING:
+            self.s.finish = CANCEL
         cism_flag_set(&self.cancelled, 1)
-        self.finish = CANCEL
-        if rc == NOMEM:
-            raise MemoryError("out of memory during inference; the session is cancelled")
-        if rc == NONFINITE:
-            raise RuntimeError("non-finite logits during inference; the session is cancelled")
+        raise_for(rc)
 
     def next_tokens(self, count, spec_k=0):
         """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
         speculation (greedy only); the tokens are identical either way."""
         count = check_count(count, "count")
-        if not is_int(spec_k) or (spec_k != 0 and not 2 <= spec_k <= MAX_SPEC_K):
-            raise ValueError(f"spec_k must be 0 (off) or in [2, {MAX_SPEC_K}], got {spec_k!r}")
-        if spec_k and self.temperature != 0:
+        if not is_int(spec_k) or (spec_k != 0 and not 2 <= spec_k <= MAX_K):
+            raise ValueError(f"spec_k must be 0 (off) or in [2, {MAX_K}], got {spec_k!r}")
+        if spec_k and self.p.temperature != 0:
             raise ValueError("spec_k > 0 needs greedy decoding (temperature 0)")
-        with self.lock:
-            wanted = min(count, self.max_new - self.generated)
-            out = np.empty(max(1, wanted), np.int64)
-            return self._generate(wanted, spec_k, out)
-
-    cdef object _generate(self, size_t wanted, size_t spec_k, cnp.ndarray out):
-        cdef size_t produced = 0
+        cdef size_t produced = 0, wanted, k = spec_k
         cdef int rc
-        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
-        with nogil:
-            rc = self.generate(wanted, spec_k, buf, &produced)
-        result = out[:produced].tolist()
-        if rc == CANCELLED:
-            self.finish = CANCEL
-        else:
-            self.fail(rc)
-        return result
+        cdef int64_t *buf
+        with self.lock:
+            wanted = min(count, self.s.max_new - self.s.generated)
+            out = np.empty(wanted + 1, np.int64)
+            buf = <int64_t*>cnp.PyArray_DATA(out)
+            with nogil:
+                rc = self.generate(wanted, k, buf, &produced)
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
 
     def _prefill_now(self):
         cdef int rc
         with self.lock:
             with nogil:
                 rc = self.prefill()
-            if rc == CANCELLED:
-                self.finish = CANCEL
-            self.fail(rc)
+            self.finish_call(rc)
 
     def _nll(self):
-        """Teacher-forced mean NLL of the pending prompt (model.nll)."""
-        cdef size_t n = self.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
+        """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
+        cdef size_t n = self.s.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
         cdef int rc = OK
         cdef double total = 0, lse
         cdef float mx
@@ -1051,17 +1184,21 @@ cdef class Session:
             raise ValueError("nll requires at least 2 tokens")
         with self.lock:
             with nogil:
-                rc = self.alloc_kv()
+                rc = kv_alloc(&self.s.kv, self.m, self.s.capacity)
+                if rc == OK and grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
+                    rc = NOMEM
                 while rc == OK and start < n:
                     T = n - start
                     if T > PREFILL_CHUNK:
                         T = PREFILL_CHUNK
-                    rc = self.run(self.prompt + start, T, True)
+                    rc = seq_run(self.m, &self.w, &self.s, self.s.prompt + start, T,
+                                 self.block_logits, &self.cancelled)
                     if rc != OK:
                         break
                     for i in range(T):
                         if start + i + 1 >= n:
                             break
+                        # log-sum-exp in double around the row maximum
                         row = self.block_logits + i * vocab
                         mx = row[0]
                         for v in range(1, vocab):
@@ -1070,38 +1207,34 @@ cdef class Session:
                         lse = 0
                         for v in range(vocab):
                             lse += exp(<double>row[v] - <double>mx)
-                        total += <double>mx + log(lse) - <double>row[self.prompt[start + i + 1]]
+                        total += <double>mx + log(lse) - <double>row[self.s.prompt[start + i + 1]]
                     start += T
-            self.fail(rc)
-            if rc == CANCELLED:
-                raise RuntimeError("nll was cancelled")
+            self.finish_call(rc)
             return total / (n - 1)
 
     def draft(self, k):
-        """The prompt-lookup draft of up to k tokens from the history."""
-        k = check_count(k, "k")
-        k = min(k, MAX_SPEC_K)
+        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
+        k = min(check_count(k, "k"), MAX_K)
+        cdef int64_t buf[MAX_K]
         with self.lock:
-            n = draft_tokens(self.history, self.hist_len, k, self.cands)
-            return [self.cands[i] for i in range(n)]
+            n = draft_tokens(self.s.history, self.s.hist_len, k, buf)
+            return [buf[i] for i in range(n)]
 
     def verify(self, candidates):
-        """Verify explicit draft tokens greedily; returns the tokens emitted
+        """Verify explicit draft tokens greedily and return the tokens emitted
         (the accepted prefix plus the correction or bonus token), leaving the
-        session ready for the next call exactly as next_tokens would."""
-        if self.temperature != 0:
+        session exactly as next_tokens would."""
+        if self.p.temperature != 0:
             raise ValueError("verify needs greedy decoding (temperature 0)")
         c = as_tokens(candidates, self.m.vocab, "candidates", True)
-        if len(c) > MAX_SPEC_K:
-            raise ValueError(f"at most {MAX_SPEC_K} candidates, got {len(c)}")
-        if len(c) == 0:
-            return []
-        cdef size_t produced = 0, n = len(c)
+        if len(c) > MAX_K:
+            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
+        cdef size_t produced = 0, n = len(c), i
         cdef int rc = OK
-        out = np.empty(MAX_SPEC_K + 1, np.int64)
+        out = np.empty(MAX_K + 1, np.int64)
         cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
         with self.lock:
-            if self.finish != RUNNING or self.generated >= self.max_new:
+            if n == 0 or self.s.finish != RUNNING:
                 return []
             for i in range(n):
                 self.cands[i] = c[i]
@@ -1109,11 +1242,9 @@ cdef class Session:
                 rc = self.prefill()
                 if rc == OK:
                     rc = self.step(n, buf, &produced)
-            if rc == CANCELLED:
-                self.finish = CANCEL
-            else:
-                self.fail(rc)
-            return out[:produced].tolist()
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
 
     def spec_stats(self):
         """(proposed, accepted) draft tokens over the session's life."""
@@ -1125,34 +1256,647 @@ cdef class Session:
 
     @property
     def finish_reason(self):
-        if self.finish == RUNNING and cism_flag_get(&self.cancelled):
+        """"" while running, then "stop", "length" or "cancelled"."""
+        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
             return "cancelled"
-        return FINISH_NAMES[self.finish]
+        return FINISH_NAMES[self.s.finish]
 
     @property
     def generated_tokens(self):
-        return self.generated
+        return self.s.generated
 
     @property
     def position(self):
-        return self.position
+        return self.s.position
 
     @property
     def capacity(self):
-        return self.capacity
+        return self.s.capacity
 
     @property
     def history(self):
         """Tokens whose keys and values are cached (prompt, then generated)."""
-        return [self.history[i] for i in range(self.hist_len)]
+        return [self.s.history[i] for i in range(self.s.hist_len)]
 
     @property
     def last_logits(self):
         """Logits of the latest forward (the next token's distribution), or
         None before the prompt has run."""
-        if not self.have_logits:
+        if not self.s.have_logits:
             return None
-        out = np.empty(self.m.vocab, np.float32)
-        memcpy(cnp.PyArray_DATA(out), self.logits_, self.m.vocab * sizeof(float))
+        return _logits_copy(self.s.logits, self.m.vocab)
+
+
+# ----------------------------------------------------------- paged KV ---
+
+from cism.paging import BlockPool, OutOfBlocks
+
+DEF PAGED_DEFAULT_BLOCKS = 256
+DEF PAGED_MAX_BLOCKS = 1 << 20
+
+
+class PagedState:
+    """The block pool one model shares among its paged sessions. ``lock`` is
+    held for every pool operation and for each whole paged forward, so page
+    pointers never move under a running forward."""
+
+    def __init__(self, pool, max_blocks):
+        self.lock = threading.Lock()
+        self.pool = pool
+        self.max_blocks = max_blocks
+        self.req_ctr = 0
+
+
+def paged_cap(layers, kv_width, wanted):
+    """Clamp a pool size to [1, 2^20] blocks and to the 8 GiB KV limit."""
+    cap = min(max(wanted, 1), PAGED_MAX_BLOCKS)
+    per_block = layers * 16 * kv_width * 4 * 2
+    return max(1, min(cap, MAX_KV_BYTES // per_block))
+
+
+def paged_env_blocks():
+    """CISM_PAGED_MAX_BLOCKS (a positive integer), else the default 256."""
+    import os
+    text = os.environ.get("CISM_PAGED_MAX_BLOCKS", "").strip()
+    try:
+        value = int(text)
+    except ValueError:
+        return PAGED_DEFAULT_BLOCKS
+    return value if value > 0 else PAGED_DEFAULT_BLOCKS
+
+
+cdef class PagedSession:
+    """A generation whose keys and values live in the model's shared block
+    pool. Logits are bit-identical to a dense Session on the same tokens;
+    under pool pressure other sessions may evict this one, and it then
+    recomputes its cache from its tokens on the next call."""
+    cdef DenseModel model
+    cdef const ModelC *m
+    cdef Seq s
+    cdef Params p
+    cdef Work w
+    cdef int cancelled
+    cdef object state
+    cdef readonly long long req_id
+    cdef int priority_
+    cdef size_t recomputes_
+    cdef size_t *blocks
+    cdef size_t blocks_cap
+    cdef object lock
+
+    def __cinit__(self):
+        memset(&self.s, 0, sizeof(Seq))
+        memset(&self.p, 0, sizeof(Params))
+        memset(&self.w, 0, sizeof(Work))
+        self.blocks = NULL
+        self.req_id = -1
+
+    def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
+                 top_k=0, seed=0, eos=(), priority=0, _fork=None):
+        self.model = model
+        self.m = &model.c
+        if _fork is None:
+            p = as_tokens(prompt, model.c.vocab)
+            prefix = np.zeros(0, np.int64)
+        else:
+            prefix, p = _fork["prefix"], _fork["suffix"]
+        max_new = check_count(max_new_tokens, "max_new_tokens")
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
+        seed = check_seed(seed)
+        if not is_int(priority) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
+        self.priority_ = priority
+        check_capacity(self.m, len(prefix) + len(p), max_new)
+        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), max_new + len(prefix),
+                     model.c.vocab, seed) != OK:
+            raise MemoryError("cannot allocate session state")
+        self.s.max_new = max_new
+        self.s.finish = LENGTH if max_new == 0 else RUNNING
+        self.blocks_cap = self.s.capacity // 16 + 2
+        self.blocks = <size_t*>malloc(self.blocks_cap * sizeof(size_t))
+        if self.blocks == NULL:
+            raise MemoryError("cannot allocate session state")
+        self.lock = threading.Lock()
+        self.state = model._paged_state()
+        with self.state.lock:
+            pool = self.state.pool
+            if _fork is None:
+                self.state.req_ctr += 1
+                self.req_id = self.state.req_ctr
+                pool.allocate(self.req_id, 0)
+            else:
+                if not pool.contains(_fork["src_req"]):
+                    raise RuntimeError("fork source was evicted; retry the fork")
+                self.state.req_ctr += 1
+                self.req_id = self.state.req_ctr
+                pool.fork(self.req_id, _fork["src_req"], len(prefix))
+            pool.set_priority(self.req_id, self.priority_)
+        if _fork is not None:
+            # the shared prefix is cached already: it is history at its positions
+            memcpy(self.s.history, cnp.PyArray_DATA(prefix), len(prefix) * sizeof(int64_t))
+            self.s.hist_len = len(prefix)
+            self.s.position = len(prefix)
+            if len(p) == 0:
+                # nothing to prefill: the first sample reads the source's last logits
+                memcpy(self.s.logits, cnp.PyArray_DATA(_fork["seed_logits"]),
+                       model.c.vocab * sizeof(float))
+                self.s.have_logits = True
+
+    def __dealloc__(self):
+        seq_free(&self.s)
+        free(self.p.eos)
+        free(self.blocks)
+        work_free(&self.w)
+
+    def __del__(self):
+        self.release()
+
+    def release(self):
+        """Give this session's blocks back to the pool (also done on deletion)."""
+        if self.state is None or self.req_id < 0:
+            return
+        with self.state.lock:
+            if self.state.pool.contains(self.req_id):
+                self.state.pool.free(self.req_id)
+        if self.s.finish == RUNNING:
+            self.s.finish = CANCEL
+            cism_flag_set(&self.cancelled, 1)
+
+    cdef int forward_tokens(self, const int64_t *tokens, size_t T, bint prefill) except? -3:
+        """Ensure blocks (evicting others if needed), then forward T tokens
+        through the pool pages, holding the pool lock for the whole call. An
+        evicted session first recomputes its history."""
+        cdef size_t i, base, covered, run_n
+        cdef int rc
+        cdef cnp.ndarray run
+        cdef cnp.ndarray kp, vp
+        state = self.state
+        with state.lock:
+            pool = state.pool
+            fresh = not pool.contains(self.req_id)
+            recompute = fresh and self.s.hist_len > 0 and self.s.position > 0
+            toks = np.asarray(<int64_t[:T]>tokens) if T else np.zeros(0, np.int64)
+            if recompute:
+                run = np.concatenate([np.asarray(<int64_t[:self.s.hist_len]>self.s.history), toks])
+            else:
+                run = np.ascontiguousarray(toks, dtype=np.int64).copy()
+            run_n = len(run)
+            need = run_n if recompute else self.s.position + T
+            while True:
+                try:
+                    if not fresh:
+                        # privatize shared blocks this call writes into
+                        base = self.s.position
+                        covered = len(pool.get_blocks(self.req_id)) * 16
+                        for i in range(T):
+                            if base + i < covered:
+                                pool.copy_on_write(self.req_id, base + i)
+                    if not pool.contains(self.req_id):
+                        pool.allocate(self.req_id, need)
+                    else:
+                        pool.ensure(self.req_id, need)
+                    break
+                except OutOfBlocks:
+                    if pool.evict_one(self.req_id) == -1:
+                        raise
+            pool.set_priority(self.req_id, self.priority_)
+            if recompute:
+                self.s.position = 0
+                self.recomputes_ += 1
+            blocks = pool.get_blocks(self.req_id)
+            for i in range(len(blocks)):
+                self.blocks[i] = blocks[i]
+            kp = pool.k_pages
+            vp = pool.v_pages
+            self.s.kv.keys = <float*>cnp.PyArray_DATA(kp)
+            self.s.kv.values = <float*>cnp.PyArray_DATA(vp)
+            self.s.kv.blocks = self.blocks
+            self.s.kv.layers = self.m.layers
+            self.s.kv.kv_width = self.m.kv_width
+            self.s.kv.capacity = self.s.capacity
+            with nogil:
+                rc = seq_run(self.m, &self.w, &self.s, <const int64_t*>cnp.PyArray_DATA(run), run_n,
+                             NULL, &self.cancelled)
+        return rc
+
+    cdef int prefill(self) except? -3:
+        cdef int rc
+        if self.s.prompt_len == 0:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        rc = self.forward_tokens(self.s.prompt, self.s.prompt_len, True)
+        if rc != OK:
+            return rc
+        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
+        self.s.hist_len += self.s.prompt_len
+        self.s.prompt_len = 0
+        return OK
+
+    cdef object finish_call(self, int rc):
+        if rc == OK:
+            return
+        if self.s.finish == RUNNING:
+            self.s.finish = CANCEL
+        cism_flag_set(&self.cancelled, 1)
+        raise_for(rc)
+
+    def next_tokens(self, count):
+        count = check_count(count, "count")
+        cdef int rc = OK
+        cdef int64_t tok
+        out = []
+        with self.lock:
+            if self.s.finish != RUNNING:
+                return out
+            wanted = min(count, self.s.max_new - self.s.generated)
+            try:
+                if wanted and cism_flag_get(&self.cancelled):
+                    rc = CANCELLED
+                if wanted and rc == OK:
+                    rc = self.prefill()
+                while rc == OK and len(out) < wanted:
+                    if cism_flag_get(&self.cancelled):
+                        rc = CANCELLED
+                        break
+                    with nogil:
+                        tok = sample_token(self.s.logits, self.m.vocab, self.p.temperature,
+                                           self.p.top_p, self.p.top_k, &self.s.rng, &self.s.sampler)
+                    if tok < 0:
+                        rc = NOMEM
+                        break
+                    out.append(tok)
+                    seq_account(&self.s, &self.p, tok)
+                    if self.s.finish != RUNNING:
+                        break
+                    if cism_flag_get(&self.cancelled):
+                        rc = CANCELLED
+                        break
+                    rc = self.forward_tokens(&tok, 1, False)
+                    if rc == OK:
+                        self.s.history[self.s.hist_len] = tok
+                        self.s.hist_len += 1
+            except BaseException:
+                self.finish_call(CANCELLED)
+                raise
+            self.finish_call(rc)
         return out
 
+    def prefill_fork_source(self):
+        """Run the prompt without generating, so an empty-suffix fork can seed
+        its first token from this session's logits. A second call does nothing."""
+        cdef int rc
+        with self.lock:
+            try:
+                rc = self.prefill()
+            except BaseException:
+                self.finish_call(CANCELLED)
+                raise
+            self.finish_call(rc)
+            return rc == OK
+
+    def set_priority(self, priority):
+        """Eviction priority (default 0; higher survives longer)."""
+        if not is_int(priority) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
+        with self.lock:
+            self.priority_ = priority
+            with self.state.lock:
+                if self.state.pool.contains(self.req_id):
+                    self.state.pool.set_priority(self.req_id, priority)
+
+    @property
+    def priority(self):
+        return self.priority_
+
+    @property
+    def recomputes(self):
+        """How many times this session rebuilt its cache after an eviction."""
+        return self.recomputes_
+
+    def cancel(self):
+        cism_flag_set(&self.cancelled, 1)
+
+    @property
+    def finish_reason(self):
+        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
+            return "cancelled"
+        return FINISH_NAMES[self.s.finish]
+
+    @property
+    def generated_tokens(self):
+        return self.s.generated
+
+    @property
+    def position(self):
+        return self.s.position
+
+    @property
+    def capacity(self):
+        return self.s.capacity
+
+    @property
+    def history(self):
+        return [self.s.history[i] for i in range(self.s.hist_len)]
+
+    @property
+    def last_logits(self):
+        if not self.s.have_logits:
+            return None
+        return _logits_copy(self.s.logits, self.m.vocab)
+
+    def _source_view(self):
+        """(history, logits or None) read under this session's lock (forks)."""
+        with self.lock:
+            hist = np.array([self.s.history[i] for i in range(self.s.hist_len)], np.int64)
+            logits = _logits_copy(self.s.logits, self.m.vocab) if self.s.have_logits else None
+            return hist, logits
+
+
+# ----------------------------------------------------------- batches ---
+
+cdef class BatchSession:
+    """Up to 256 sequences decoded together: every projection runs once over
+    the tokens of all active sequences, attention and sampling stay per
+    sequence. Each sequence produces exactly what it would alone in a Session
+    with the same seed (bitwise, logits included)."""
+    cdef DenseModel model
+    cdef const ModelC *m
+    cdef Seq *seqs
+    cdef KV *kvs
+    cdef size_t B
+    cdef Params p
+    cdef Work w
+    cdef int cancelled
+    cdef bint prefilled
+    cdef float *rows           # logits of the rows that need them
+    cdef size_t rows_cap
+    cdef object lock
+
+    def __cinit__(self):
+        self.seqs = NULL
+        self.kvs = NULL
+        self.rows = NULL
+        memset(&self.p, 0, sizeof(Params))
+        memset(&self.w, 0, sizeof(Work))
+
+    def __init__(self, DenseModel model, prompts, max_new_tokens, temperature=0.0, top_p=1.0,
+                 top_k=0, seed=0, eos=(), seq_seeds=None):
+        self.model = model
+        self.m = &model.c
+        vocab = model.c.vocab
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise ValueError("prompts must be a list of token-id sequences")
+        if len(prompts) == 0:
+            raise ValueError("prompts must contain at least one sequence")
+        if len(prompts) > 256:
+            raise ValueError(f"batch size exceeds 256 sequences (got {len(prompts)})")
+        max_new = check_count(max_new_tokens, "max_new_tokens")
+        parse_params(&self.p, vocab, temperature, top_p, top_k, eos)
+        seed = check_seed(seed)
+        if seq_seeds is not None:
+            seq_seeds = [check_seed(x) for x in seq_seeds]
+            if len(seq_seeds) != len(prompts):
+                raise ValueError("seq_seeds length must match prompts")
+        arrays = []
+        for i, pr in enumerate(prompts):
+            try:
+                arrays.append(as_tokens(pr, vocab, f"prompt {i}"))
+            except ValueError as e:
+                if "at least one token" in str(e):
+                    raise ValueError(f"each prompt must contain at least one token (prompt {i} is empty)") from None
+                raise
+        for a in arrays:
+            check_capacity(self.m, len(a), max_new)
+        check_capacity(self.m, max(len(a) for a in arrays), max_new, len(arrays))
+        self.B = len(arrays)
+        self.seqs = <Seq*>calloc(self.B, sizeof(Seq))
+        self.kvs = <KV*>calloc(self.B, sizeof(KV))
+        if self.seqs == NULL or self.kvs == NULL:
+            raise MemoryError("cannot allocate batch state")
+        for i, a in enumerate(arrays):
+            s_i = seq_seeds[i] if seq_seeds is not None else (seed + i) % 2**64
+            if seq_alloc(&self.seqs[i], <const int64_t*>cnp.PyArray_DATA(a), len(a), max_new,
+                         vocab, s_i) != OK:
+                raise MemoryError("cannot allocate batch state")
+        self.lock = threading.Lock()
+
+    def __dealloc__(self):
+        cdef size_t i
+        if self.seqs != NULL:
+            for i in range(self.B):
+                seq_free(&self.seqs[i])
+        if self.kvs != NULL:
+            for i in range(self.B):
+                kv_free(&self.kvs[i])
+        free(self.seqs)
+        free(self.kvs)
+        free(self.rows)
+        free(self.p.eos)
+        work_free(&self.w)
+
+    cdef int run_batch(self, const int64_t *toks, const int *seq_of, size_t T) noexcept nogil:
+        """Forward a concatenation of tokens (seq_of[g] says whose), in chunks;
+        the last token of each sequence leaves its logits in that sequence."""
+        cdef size_t start = 0, n, g, i, n_out, vocab = self.m.vocab
+        cdef size_t *offset = <size_t*>calloc(self.B, sizeof(size_t))
+        cdef size_t *last = <size_t*>malloc(self.B * sizeof(size_t))
+        cdef int rc = OK
+        if offset == NULL or last == NULL:
+            free(offset)
+            free(last)
+            return NOMEM
+        for g in range(T):
+            last[seq_of[g]] = g
+        while start < T and rc == OK:
+            n = T - start
+            if n > PREFILL_CHUNK:
+                n = PREFILL_CHUNK
+            if work_reserve(&self.w, self.m, n, 0, 0) != 0:
+                rc = NOMEM
+                break
+            n_out = 0
+            for i in range(n):
+                g = start + i
+                self.w.seq_of[i] = seq_of[g]
+                self.w.pos_of[i] = self.seqs[seq_of[g]].position + offset[seq_of[g]]
+                offset[seq_of[g]] += 1
+                if last[seq_of[g]] == g:
+                    self.w.out_rows[n_out] = i
+                    n_out += 1
+            if n_out * vocab > self.rows_cap:
+                if grow_f(&self.rows, n_out * vocab):
+                    rc = NOMEM
+                    break
+                self.rows_cap = n_out * vocab
+            rc = forward(self.m, &self.w, toks + start, n, self.kvs, self.w.out_rows, n_out,
+                         self.rows, &self.cancelled)
+            if rc == OK:
+                for i in range(n_out):
+                    g = seq_of[start + self.w.out_rows[i]]
+                    memcpy(self.seqs[g].logits, self.rows + i * vocab, vocab * sizeof(float))
+                    self.seqs[g].have_logits = True
+            start += n
+        if rc == OK:
+            for i in range(self.B):
+                self.seqs[i].position += offset[i]
+        free(offset)
+        free(last)
+        return rc
+
+    cdef int prefill(self) noexcept nogil:
+        cdef size_t i, T = 0, j
+        cdef int rc
+        if self.prefilled:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        for i in range(self.B):
+            if self.seqs[i].finish == RUNNING:
+                if kv_alloc(&self.kvs[i], self.m, self.seqs[i].capacity) != OK:
+                    return NOMEM
+                T += self.seqs[i].prompt_len
+        cdef int64_t *toks = <int64_t*>malloc((T + 1) * sizeof(int64_t))
+        cdef int *seq_of = <int*>malloc((T + 1) * sizeof(int))
+        if toks == NULL or seq_of == NULL:
+            free(toks)
+            free(seq_of)
+            return NOMEM
+        T = 0
+        for i in range(self.B):
+            if self.seqs[i].finish == RUNNING:
+                for j in range(self.seqs[i].prompt_len):
+                    toks[T] = self.seqs[i].prompt[j]
+                    seq_of[T] = <int>i
+                    T += 1
+        rc = self.run_batch(toks, seq_of, T) if T else OK
+        free(toks)
+        free(seq_of)
+        if rc != OK:
+            return rc
+        for i in range(self.B):
+            if self.seqs[i].finish == RUNNING:
+                memcpy(self.seqs[i].history, self.seqs[i].prompt, self.seqs[i].prompt_len * sizeof(int64_t))
+                self.seqs[i].hist_len = self.seqs[i].prompt_len
+                self.seqs[i].prompt_len = 0
+        self.prefilled = True
+        return OK
+
+    cdef int generate(self, size_t count, int64_t *out, size_t *produced) noexcept nogil:
+        """Up to count tokens per sequence; out is (B, count), produced[i] how many."""
+        cdef size_t i, n
+        cdef int64_t tok
+        cdef int rc
+        cdef bint need
+        cdef size_t *wanted = <size_t*>calloc(self.B, sizeof(size_t))
+        cdef int64_t *step_toks = <int64_t*>malloc(self.B * sizeof(int64_t))
+        cdef int *step_seq = <int*>malloc(self.B * sizeof(int))
+        if wanted == NULL or step_toks == NULL or step_seq == NULL:
+            free(wanted); free(step_toks); free(step_seq)
+            return NOMEM
+        rc = OK
+        need = False
+        for i in range(self.B):
+            produced[i] = 0
+            if self.seqs[i].finish == RUNNING:
+                wanted[i] = self.seqs[i].max_new - self.seqs[i].generated
+                if count < wanted[i]:
+                    wanted[i] = count
+                if wanted[i]:
+                    need = True
+        if need and cism_flag_get(&self.cancelled):
+            rc = CANCELLED
+        if need and rc == OK:
+            rc = self.prefill()
+        while need and rc == OK:
+            if cism_flag_get(&self.cancelled):
+                rc = CANCELLED
+                break
+            # sample one token for every sequence that still needs output
+            n = 0
+            for i in range(self.B):
+                if self.seqs[i].finish != RUNNING or produced[i] >= wanted[i]:
+                    continue
+                tok = sample_token(self.seqs[i].logits, self.m.vocab, self.p.temperature,
+                                   self.p.top_p, self.p.top_k, &self.seqs[i].rng, &self.seqs[i].sampler)
+                if tok < 0:
+                    rc = NOMEM
+                    break
+                out[i * count + produced[i]] = tok
+                produced[i] += 1
+                seq_account(&self.seqs[i], &self.p, tok)
+                if self.seqs[i].finish == RUNNING:
+                    # finished sequences never run their last token (as in Session)
+                    step_toks[n] = tok
+                    step_seq[n] = <int>i
+                    n += 1
+            if rc != OK or n == 0:
+                break
+            rc = self.run_batch(step_toks, step_seq, n)
+            if rc != OK:
+                break
+            for i in range(n):
+                self.seqs[step_seq[i]].history[self.seqs[step_seq[i]].hist_len] = step_toks[i]
+                self.seqs[step_seq[i]].hist_len += 1
+            need = False
+            for i in range(self.B):
+                if self.seqs[i].finish == RUNNING and produced[i] < wanted[i]:
+                    need = True
+        free(wanted)
+        free(step_toks)
+        free(step_seq)
+        return rc
+
+    def next_tokens(self, count):
+        """Up to ``count`` tokens for each sequence: a list of B lists."""
+        count = check_count(count, "count")
+        cdef size_t c = min(count, max(self.seqs[i].max_new for i in range(self.B)))
+        cdef size_t i
+        cdef int rc
+        out = np.empty((self.B, max(c, 1)), np.int64)
+        done = np.zeros(self.B, np.uintp)
+        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
+        cdef size_t *produced = <size_t*>cnp.PyArray_DATA(done)
+        with self.lock:
+            with nogil:
+                rc = self.generate(c, buf, produced)
+            result = [out[i, :done[i]].tolist() for i in range(self.B)]
+            if rc != OK:
+                for i in range(self.B):
+                    if self.seqs[i].finish == RUNNING:
+                        self.seqs[i].finish = CANCEL
+                cism_flag_set(&self.cancelled, 1)
+                raise_for(rc, "batched inference")
+            return result
+
+    def cancel(self):
+        """Cancel every sequence (safe from any thread)."""
+        cism_flag_set(&self.cancelled, 1)
+
+    def cancel_seq(self, index):
+        """Finish one sequence with "cancelled" (from the next step on)."""
+        if not is_int(index) or not 0 <= index < self.B:
+            raise ValueError(f"batch index is out of range: {index!r} (batch size {self.B})")
+        with self.lock:
+            if self.seqs[index].finish == RUNNING:
+                self.seqs[index].finish = CANCEL
+
+    def finish_reasons(self):
+        cancelled = cism_flag_get(&self.cancelled)
+        return [("cancelled" if cancelled and self.seqs[i].finish == RUNNING
+                 else FINISH_NAMES[self.seqs[i].finish]) for i in range(self.B)]
+
+    def generated_tokens_list(self):
+        return [self.seqs[i].generated for i in range(self.B)]
+
+    @property
+    def batch_size(self):
+        return self.B
+
+    def last_logits(self, index):
+        """Logits of sequence ``index``'s latest forward, or None."""
+        if not is_int(index) or not 0 <= index < self.B:
+            raise ValueError(f"batch index is out of range: {index!r} (batch size {self.B})")
+        if not self.seqs[index].have_logits:
+            return None
+        return _logits_copy(self.seqs[index].logits, self.m.vocab)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from cism import _config as C
-from cism._dense import DenseModel, Session  # noqa: F401
+from cism._dense import BatchSession, DenseModel, PagedSession, Session  # noqa: F401
 
 MODEL_TYPES = ("llama", "qwen3")
 
