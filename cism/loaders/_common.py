@@ -81,7 +81,8 @@ def read_small_file(path, limit, what):
         raise CheckpointError(path, f"{what} is {size} bytes, over the {limit}-byte limit")
     with open_file(path) as f:
         try:
-            data = f.read(limit + 1)
+            # Not f.read(limit + 1): that allocates the whole limit up front.
+            data = f.read(size + 1)
         except OSError as e:
             raise CheckpointError(path, f"read error: {e.strerror or e}") from None
     if len(data) > limit:
@@ -102,25 +103,27 @@ def _in_hf_cache_blobs(root, real):
 
 
 def file_in_dir(directory, name, what):
-    """The real path of the file ``name`` directly inside ``directory``.
+    """The path of the file ``name`` directly inside ``directory``, for reading.
 
     ``name`` comes from files we do not trust (an index's weight_map), so it must
     be a plain file name, and what it resolves to (after symlinks) must still lie
     in the directory, or be a blob of the same Hugging Face cache repository.
+    The path returned is the one the user will recognise (directory/name).
     """
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
             or "\\" in name or "\0" in name or os.path.isabs(name)):
         raise CheckpointError(directory, f"{what} {name!r} is not a plain file name inside the directory")
+    shown = os.path.join(directory, name)
     root = os.path.realpath(directory)
-    real = os.path.realpath(os.path.join(root, name))
+    real = os.path.realpath(shown)
     if os.path.commonpath([root, real]) != root and not _in_hf_cache_blobs(root, real):
-        raise CheckpointError(os.path.join(directory, name),
-                              f"{what} resolves to {real}, outside the model directory {root}")
+        raise CheckpointError(shown, f"{what} {name!r} resolves to {real}, outside the model "
+                              f"directory {root}")
     if not os.path.exists(real):
-        raise CheckpointError(os.path.join(directory, name), f"{what} is missing")
+        raise CheckpointError(shown, f"{what} {name!r} is missing")
     if not os.path.isfile(real):
-        raise CheckpointError(os.path.join(directory, name), f"{what} is not a regular file")
-    return real
+        raise CheckpointError(shown, f"{what} {name!r} is not a regular file")
+    return shown
 
 
 def rotary_interleaved_to_halves(w, n_heads):

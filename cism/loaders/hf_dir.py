@@ -21,6 +21,9 @@ _INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 _OPTIONAL_INT_KEYS = ("head_dim",)          # null means "hidden_size / heads"
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
 _BOOL_KEYS = ("tie_word_embeddings",)
+# rope_scaling (transformers 4) and rope_parameters (transformers 5, which also
+# moves rope_theta inside it) are objects or null.
+_OBJECT_KEYS = ("rope_scaling", "rope_parameters")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -47,10 +50,13 @@ def _check_config_types(path, config):
     for key in _BOOL_KEYS:
         if key in config and not isinstance(config[key], bool):
             bad(key, "true or false")
+    for key in _OBJECT_KEYS:
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            bad(key, "an object or null")
 
 
 def _read_config(directory):
-    path = file_in_dir(directory, CONFIG_NAME, "config.json")
+    path = file_in_dir(directory, CONFIG_NAME, "file")
     config = parse_json(path, read_small_file(path, MAX_CONFIG_BYTES, "config.json"), "config.json")
     if not isinstance(config, dict):
         raise CheckpointError(path, f"config.json holds a JSON {type(config).__name__}, expected an object")
@@ -74,7 +80,7 @@ def read_config(path):
 
 def _read_index(directory):
     """{shard real path: set of tensor names the index puts there}."""
-    index_path = file_in_dir(directory, INDEX_NAME, "the shard index")
+    index_path = file_in_dir(directory, INDEX_NAME, "file")
     index = parse_json(index_path, read_small_file(index_path, MAX_INDEX_BYTES, "the index"), "the index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -82,21 +88,21 @@ def _read_index(directory):
     if not weight_map:
         raise CheckpointError(index_path, "weight_map is empty")
     shards = {}
-    real_of = {}
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise CheckpointError(index_path, f"weight_map gives {shard!r}, expected a file name", name)
-        if shard not in real_of:
-            real_of[shard] = file_in_dir(directory, shard, f"shard {shard!r} named by {INDEX_NAME}")
-        shards.setdefault(real_of[shard], set()).add(name)
-    return index_path, shards
+        if shard not in shards:
+            file_in_dir(directory, shard, f"{INDEX_NAME} shard")
+            shards[shard] = set()
+        shards[shard].add(name)
+    return index_path, {os.path.join(directory, shard): names for shard, names in shards.items()}
 
 
 def _weight_files(directory):
     """Which safetensors files hold the weights, following transformers' order of
     preference: model.safetensors, then the shard index, then a lone *.safetensors."""
     if os.path.lexists(os.path.join(directory, SINGLE_NAME)):
-        return None, {file_in_dir(directory, SINGLE_NAME, SINGLE_NAME): None}
+        return None, {file_in_dir(directory, SINGLE_NAME, "file"): None}
     if os.path.lexists(os.path.join(directory, INDEX_NAME)):
         return _read_index(directory)
     try:
@@ -105,7 +111,7 @@ def _weight_files(directory):
     except OSError as e:
         raise CheckpointError(directory, f"cannot list: {e.strerror or e}") from None
     if len(names) == 1:
-        return None, {file_in_dir(directory, names[0], names[0]): None}
+        return None, {file_in_dir(directory, names[0], "file"): None}
     if names:
         raise CheckpointError(directory, f"{len(names)} safetensors files ({', '.join(names[:4])}"
                               f"{', ...' if len(names) > 4 else ''}) but no {INDEX_NAME} to say how they fit")

@@ -52,7 +52,9 @@ def parse_json(path, data, what):
         return json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicates(path, what))
     except UnicodeDecodeError as e:
         raise CheckpointError(path, f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
+    except CheckpointError:
+        raise
+    except ValueError as e:   # JSONDecodeError, or an integer literal too long to convert
         raise CheckpointError(path, f"{what} is not valid JSON: {e}") from None
     except RecursionError:
         raise CheckpointError(path, f"{what} nests too deeply") from None
@@ -70,7 +72,7 @@ def read_header(path):
         if n > MAX_HEADER_BYTES:
             raise CheckpointError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
         if 8 + n > size:
-            raise CheckpointError(path, f"header length {n} runs past the end of the {size}-byte file")
+            raise CheckpointError(path, f"header length {n} (after the 8-byte length) runs past the end of the {size}-byte file")
         raw = np.empty(n, np.uint8)
         read_into(f, 8, raw, path, "the header")
     header = parse_json(path, raw.tobytes(), "the header")
