@@ -492,7 +492,7 @@ def test_gguf_config_mapping_and_defaults(tmp_path):
 def test_gguf_threads_do_not_change_results(tmp_path):
     """An embedding large enough to be decoded in chunks by several threads."""
     rng = np.random.default_rng(8)
-    embd = rng.standard_normal((70000, 64)).astype(np.float32)
+    embd = rng.standard_normal((40000, 64)).astype(np.float32)   # > one 2M-element job
     path = write_gguf(tmp_path / "m.gguf", "qwen3", gguf_meta("qwen3", heads=4, kv_heads=2),
                       {"token_embd.weight": (embd, Q.Q4_1), "output_norm.weight": (embd[0], Q.F32)})
     one = load_gguf(path, threads=1).weights["model.embed_tokens.weight"]
@@ -523,6 +523,9 @@ def test_gguf_metadata_matches_gguf_reader(data_dir):
     assert len(mine["tokenizer.ggml.tokens"]) == 32000 and mine["tokenizer.ggml.scores"].dtype == np.float32
     lazy = read_gguf_metadata(path, arrays=False)
     assert len(lazy["tokenizer.ggml.tokens"]) == 32000
+    assert read_config(path)["vocab_size"] == 32000
+    with pytest.raises(CheckpointError, match="holds no tensors"):
+        load_checkpoint(path)
 
 
 # --- SmolLM2 (a real trained GGUF) ----------------------------------------------------

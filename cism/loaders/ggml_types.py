@@ -84,8 +84,18 @@ DEQUANTIZERS = {F32: _dequant_f32, F16: _dequant_f16, BF16: _dequant_bf16,
                 Q8_0: _dequant_q8_0, Q4_0: _dequant_q4_0, Q4_1: _dequant_q4_1}
 
 
+# Elements decoded per step. The decoders make several passes (unpack, scale,
+# offset); a 512 KB slice of output keeps them in L2 between passes. Measured:
+# 1.85x faster on one 106M-element Q4_1 array, ~5% on SmolLM2's smaller tensors.
+_STEP_ELEMENTS = 1 << 17
+
+
 def dequantize_into(type_id, raw, out):
     """Decode whole blocks: ``raw`` is a uint8 array of n blocks, ``out`` a
     contiguous float32 array of the n * block elements they hold."""
+    _, block, block_bytes = GGML_TYPES[type_id]
+    decode = DEQUANTIZERS[type_id]
+    step = _STEP_ELEMENTS // block
     with np.errstate(all="ignore"):  # inf/NaN scales are the model's problem, not a warning
-        DEQUANTIZERS[type_id](raw, out)
+        for b in range(0, len(raw) // block_bytes, step):
+            decode(raw[b * block_bytes:(b + step) * block_bytes], out[b * block:(b + step) * block])

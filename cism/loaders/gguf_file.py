@@ -416,6 +416,8 @@ def load_gguf(path, threads=None):
     threads = resolve_threads(threads)
     meta, infos, _ = _parse(path)
     config = _config(path, meta, infos)
+    if not infos:
+        raise CheckpointError(path, "holds no tensors (a vocabulary-only GGUF?)")
 
     plan = []
     targets = set()
