@@ -151,8 +151,3 @@ def read_tensors(path, entries):
             out[e.name] = to_float32(raw, e.dtype).reshape(e.shape)
     return out
 
-
-def load_safetensors(path):
-    """Every tensor of one safetensors file, as float32 arrays."""
-    entries, _ = read_header(path)
-    return read_tensors(path, entries)
