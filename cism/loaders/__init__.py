@@ -1,0 +1,62 @@
+"""Checkpoint loaders: Hugging Face directories, GGUF files and llama2.c .bin
+files, each turned into one ``Checkpoint`` (an HF-style config dict plus float32
+weights under HF tensor names).
+
+Loaders check the FILE (format, sizes, dtypes, shapes against the file's own
+header, paths staying inside the model directory) and raise CheckpointError,
+a ValueError naming the file, for anything wrong. Whether the tensor set fits
+the config is the model classes' check, with the spec's messages.
+"""
+import os
+
+from ._common import Checkpoint, CheckpointError
+from .gguf_file import GGUF_MAGIC, load_gguf, read_gguf_metadata
+from .hf_dir import load_hf_dir
+from .llama2c import load_llama2c
+from . import gguf_file, hf_dir, llama2c
+
+__all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "load_hf_dir", "load_gguf",
+           "load_llama2c", "read_config", "read_gguf_metadata"]
+
+
+def _kind(path):
+    """"hf", "gguf" or "llama2c" for an existing path; CheckpointError otherwise."""
+    if os.path.isdir(path):
+        return "hf"
+    if not os.path.exists(path):
+        raise CheckpointError(path, "no such file or directory")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot open: {e.strerror or e}") from None
+    name = os.path.basename(path)
+    if magic == GGUF_MAGIC or name.endswith(".gguf"):
+        return "gguf"        # a wrong magic in a .gguf is reported by the GGUF parser
+    if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
+        raise CheckpointError(path, "is part of a Hugging Face model; load its directory instead")
+    return "llama2c"         # the legacy format has no magic: its header and size are checked
+
+
+def load_checkpoint(path):
+    """Load any supported checkpoint: a directory is a Hugging Face model, a file
+    starting with "GGUF" (or named *.gguf) is GGUF, anything else must be a
+    llama2.c .bin whose header matches its size exactly."""
+    path = os.fspath(path)
+    kind = _kind(path)
+    if kind == "hf":
+        return load_hf_dir(path)
+    if kind == "gguf":
+        return load_gguf(path)
+    return load_llama2c(path)
+
+
+def read_config(path):
+    """Just the HF-style config of any supported checkpoint, without reading weights."""
+    path = os.fspath(path)
+    kind = _kind(path)
+    if kind == "hf":
+        return hf_dir.read_config(path)
+    if kind == "gguf":
+        return gguf_file.read_config(path)
+    return llama2c.read_config(path)

@@ -1,0 +1,101 @@
+"""ggml tensor types: sizes of every type (to bound-check any file) and numpy
+dequantisers for the ones cism reads.
+
+Block layouts (ggml-common.h; every block covers 32 consecutive elements of a row):
+  Q8_0  34 bytes: fp16 d, 32 x int8 q                value = q * d
+  Q4_0  18 bytes: fp16 d, 16 bytes of nibbles        value = (q - 8) * d
+  Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes           value = q * d + m
+In both 4-bit types byte j holds element j in its low nibble and element j + 16
+in its high nibble. Scales are little-endian IEEE half precision.
+"""
+import numpy as np
+
+# type id -> (name, elements per block, bytes per block), as ggml defines them.
+# Unsupported types are listed too, so that a file using them is still
+# bound-checked and the error can name the type.
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+
+
+def type_name(type_id):
+    entry = GGML_TYPES.get(type_id)
+    return entry[0] if entry else f"unknown type {type_id}"
+
+
+def _scale(blocks, at):
+    """The fp16 field at byte ``at`` of every block, as a (blocks, 1) float32 column."""
+    return blocks[:, at:at + 2].view("<f2").astype(np.float32)
+
+
+def _dequant_q8_0(raw, out):
+    blocks = raw.reshape(-1, 34)
+    np.multiply(blocks[:, 2:].view(np.int8), _scale(blocks, 0), out=out.reshape(-1, 32))
+
+
+def _nibbles(qs, out):
+    # Measured: masking then a casting assignment is 2.5x faster than gathering
+    # from a 256-entry float table with np.take.
+    out[:, :16] = qs & 15
+    out[:, 16:] = qs >> 4
+
+
+def _dequant_q4_0(raw, out):
+    blocks = raw.reshape(-1, 18)
+    out = out.reshape(-1, 32)
+    _nibbles(blocks[:, 2:], out)
+    out -= 8           # exact in float32, so (q - 8) * d rounds once, as ggml does
+    out *= _scale(blocks, 0)
+
+
+def _dequant_q4_1(raw, out):
+    blocks = raw.reshape(-1, 20)
+    out = out.reshape(-1, 32)
+    _nibbles(blocks[:, 4:], out)
+    out *= _scale(blocks, 0)
+    out += _scale(blocks, 2)
+
+
+def _dequant_f16(raw, out):
+    out[...] = raw.view("<f2")
+
+
+def _dequant_bf16(raw, out):
+    # bf16 is the top half of a float32: widening is a shift, and exact.
+    out.view(np.uint32)[...] = raw.view("<u2")
+    out.view(np.uint32)[...] <<= 16
+
+
+def _dequant_f32(raw, out):
+    out[...] = raw.view("<f4")
+
+
+DEQUANTIZERS = {F32: _dequant_f32, F16: _dequant_f16, BF16: _dequant_bf16,
+                Q8_0: _dequant_q8_0, Q4_0: _dequant_q4_0, Q4_1: _dequant_q4_1}
+
+
+# Elements decoded per step. The decoders make several passes (unpack, scale,
+# offset); a 512 KB slice of output keeps them in L2 between passes. Measured:
+# 1.85x faster on one 106M-element Q4_1 array, ~5% on SmolLM2's smaller tensors.
+_STEP_ELEMENTS = 1 << 17
+
+
+def dequantize_into(type_id, raw, out):
+    """Decode whole blocks: ``raw`` is a uint8 array of n blocks, ``out`` a
+    contiguous float32 array of the n * block elements they hold."""
+    _, block, block_bytes = GGML_TYPES[type_id]
+    decode = DEQUANTIZERS[type_id]
+    step = _STEP_ELEMENTS // block
+    with np.errstate(all="ignore"):  # inf/NaN scales are the model's problem, not a warning
+        for b in range(0, len(raw) // block_bytes, step):
+            decode(raw[b * block_bytes:(b + step) * block_bytes], out[b * block:(b + step) * block])

@@ -1,0 +1,491 @@
+"""GGUF files (llama.cpp): header parsed here, tensors dequantised with numpy.
+
+The header is read by our own bounds-checked parser instead of gguf-py's
+GGUFReader: GGUFReader builds numpy views for every element of the token and
+merge arrays, which takes 3.2 s on the 98 MB SmolLM2 file before a single weight
+is read; this parser walks the same header in about 0.05 s, checks every count
+and length against the bytes left before using it, and needs no gguf package.
+gguf-py stays the independent oracle in the tests.
+
+Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor_count,
+u64 kv_count; kv_count (key string, u32 type, value); tensor_count (name, u32
+n_dims, u64 ne[n_dims], u32 type, u64 offset); padding to general.alignment;
+tensor data, each offset relative to that data start. Strings are a u64 length
+and UTF-8 bytes; arrays a u32 element type, u64 count and the elements.
+ne[0] is the fastest-varying dimension, so the numpy shape is ne reversed.
+"""
+import math
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ggml_types
+from ._common import (Checkpoint, CheckpointError, file_size, open_file, read_into,
+                      rotary_interleaved_to_halves)
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4            # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 4     # nested arrays deeper than this appear in no real file
+SUPPORTED_ARCHS = ("llama", "qwen3")
+
+# value type -> (struct format, size) for the fixed-size scalars
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
+            5: ("<i", 4), 6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8),
+            12: ("<d", 8)}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+          10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """An array value left undecoded (read_config needs only its length)."""
+    element_type: int
+    count: int
+
+    def __len__(self):
+        return self.count
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple        # numpy order (ne reversed)
+    type_id: int
+    offset: int         # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class _Header:
+    """Sequential little-endian reads from the start of the file, each checked
+    against the file size before it happens. The file is read in growing
+    chunks as the header turns out to be longer."""
+
+    def __init__(self, f, path, size):
+        self.f, self.path, self.size = f, path, size
+        self.buf = bytearray()
+        self.pos = 0
+
+    def fail(self, problem):
+        raise CheckpointError(self.path, problem)
+
+    def need(self, n, what):
+        end = self.pos + n
+        if end > self.size:
+            self.fail(f"truncated: {what} at byte {self.pos} needs {n} bytes, the file has {self.size}")
+        if end > len(self.buf):
+            want = min(self.size, max(end, 2 * len(self.buf), 1 << 20))
+            try:
+                self.f.seek(len(self.buf))
+                self.buf += self.f.read(want - len(self.buf))
+            except OSError as e:
+                self.fail(f"read error: {e.strerror or e}")
+            if end > len(self.buf):
+                self.fail(f"file ended inside {what} at byte {self.pos}")
+
+    def scalar(self, fmt, size, what):
+        self.need(size, what)
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def u32(self, what):
+        return self.scalar("<I", 4, what)
+
+    def u64(self, what):
+        return self.scalar("<Q", 8, what)
+
+    def string(self, what):
+        n = self.u64(what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not valid UTF-8")
+
+    def strings(self, count, what, decode):
+        """``count`` strings: a list, or just skipped (the 150k-entry vocabularies
+        of real files make this loop the hot spot of header parsing)."""
+        out = [] if decode else None
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                self.pos = pos
+                self.need(8, what)
+                buf = self.buf
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > len(buf):
+                self.pos = pos
+                self.need(n, what)
+                buf = self.buf
+            if decode:
+                # Vocabulary entries can be arbitrary bytes; surrogateescape keeps
+                # them recoverable with .encode("utf-8", "surrogateescape").
+                out.append(bytes(buf[pos:pos + n]).decode("utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, vtype, what, decode, depth=0):
+        if vtype in _SCALARS:
+            fmt, size = _SCALARS[vtype]
+            value = self.scalar(fmt, size, what)
+            if vtype == _FLOAT32:
+                # The shortest decimal that is the same float32: 1e-05, not
+                # 9.999999747378752e-06, as the HF config.json would say.
+                value = float(str(np.float32(value)))
+            return value
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            self.fail(f"{what} has unknown value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            self.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+        etype = self.u32(what)
+        count = self.u64(what)
+        # Every element takes at least one byte (8 for a string's length, 12 for
+        # an array's header): a count the rest of the file cannot hold is a lie,
+        # caught before any list or array of that length exists.
+        least = _SCALARS[etype][1] if etype in _SCALARS else {_STRING: 8, _ARRAY: 12}.get(etype)
+        if least is None:
+            self.fail(f"{what} is an array of unknown type {etype}")
+        if count * least > self.size - self.pos:
+            self.fail(f"{what} claims {count} elements, more than the rest of the file can hold")
+        if etype in _SCALARS:
+            nbytes = count * least
+            self.need(nbytes, what)
+            if decode:
+                values = np.frombuffer(self.buf, _NUMPY[etype], count, self.pos).copy()
+                if etype == 7:
+                    values = values != 0
+            self.pos += nbytes
+            return values if decode else ArrayInfo(etype, count)
+        if etype == _STRING:
+            values = self.strings(count, what, decode)
+            return values if decode else ArrayInfo(etype, count)
+        values = [self.value(_ARRAY, what, decode, depth + 1) for _ in range(count)]
+        return values if decode else ArrayInfo(etype, count)
+
+
+def _parse(path, decode_arrays=False):
+    """(metadata dict, [TensorInfo], file size) of a GGUF file, all checked."""
+    size = file_size(path)
+    with open_file(path) as f:
+        h = _Header(f, path, size)
+        h.need(4, "the magic")
+        magic = bytes(h.buf[:4])
+        if magic != GGUF_MAGIC:
+            h.fail(f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+        h.pos = 4
+        version = h.u32("the version")
+        if version & 0xFFFF == 0 and version:
+            h.fail("big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            h.fail(f"GGUF version {version} is not supported (2 or 3)")
+        n_tensors = h.u64("the tensor count")
+        n_kv = h.u64("the metadata count")
+        # Smallest possible metadata entry: 8 (key length) + 4 (type) + 1 byte;
+        # smallest tensor entry: 8 + 4 + 8 + 4 + 8.
+        if n_kv * 13 + n_tensors * 32 > size - h.pos:
+            h.fail(f"header claims {n_kv} metadata entries and {n_tensors} tensors, "
+                   f"more than the {size}-byte file can hold")
+
+        meta = {}
+        for i in range(n_kv):
+            key = h.string(f"metadata key {i}")
+            vtype = h.u32(f"the type of {key!r}")
+            value = h.value(vtype, f"metadata {key!r}", decode_arrays)
+            if key in meta:
+                h.fail(f"metadata key {key!r} appears twice")
+            meta[key] = value
+
+        raw_infos = []
+        seen = set()
+        for i in range(n_tensors):
+            name = h.string(f"tensor name {i}")
+            if name in seen:
+                raise CheckpointError(path, "appears twice in the tensor list", name)
+            seen.add(name)
+            n_dims = h.u32(f"tensor {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise CheckpointError(path, f"has {n_dims} dimensions (1 to {MAX_DIMS} allowed)", name)
+            dims = [h.u64(f"tensor {name!r}") for _ in range(n_dims)]
+            type_id = h.u32(f"tensor {name!r}")
+            offset = h.u64(f"tensor {name!r}")
+            raw_infos.append((name, dims, type_id, offset))
+        header_end = h.pos
+
+    alignment = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+            or alignment & (alignment - 1)):
+        raise CheckpointError(path, f"general.alignment {alignment!r} is not a positive power of two")
+    data_start = -(-header_end // alignment) * alignment
+
+    infos = [_tensor_info(path, size, data_start, alignment, *raw) for raw in raw_infos]
+    by_offset = sorted(infos, key=lambda t: t.offset)
+    for a, b in zip(by_offset, by_offset[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise CheckpointError(path, f"data overlaps tensor {a.name!r}", b.name)
+    return meta, infos, size
+
+
+def _tensor_info(path, size, data_start, alignment, name, dims, type_id, offset):
+    if type_id not in ggml_types.GGML_TYPES:
+        raise CheckpointError(path, f"has unknown ggml type {type_id}", name)
+    type_name, block, block_bytes = ggml_types.GGML_TYPES[type_id]
+    if dims[0] % block:
+        raise CheckpointError(path, f"row length {dims[0]} is not a multiple of the "
+                              f"{type_name} block size {block}", name)
+    # Python integers: dimensions crafted to overflow 64 bits still compare honestly.
+    nbytes = math.prod(dims) // block * block_bytes
+    if offset % alignment:
+        raise CheckpointError(path, f"data offset {offset} is not a multiple of the alignment {alignment}", name)
+    start = data_start + offset
+    if start + nbytes > size:
+        raise CheckpointError(path, f"data [{start}, {start + nbytes}) runs past the end of "
+                              f"the {size}-byte file", name)
+    return TensorInfo(name, tuple(reversed(dims)), type_id, start, nbytes)
+
+
+def read_gguf_metadata(path, arrays=True):
+    """All metadata of a GGUF file as a dict (for the tokenizer and tools).
+
+    Numeric arrays become numpy arrays, string arrays lists of str (bytes that
+    are not UTF-8 decoded with surrogateescape). With ``arrays=False`` arrays are
+    left as ArrayInfo (type and length only), which is much faster.
+    """
+    return _parse(os.fspath(path), decode_arrays=arrays)[0]
+
+
+# --- metadata -> HF config -------------------------------------------------------
+
+class _Meta:
+    def __init__(self, path, meta, arch):
+        self.path, self.meta, self.arch = path, meta, arch
+
+    def get(self, key, kind, default=None, required=False):
+        full = f"{self.arch}.{key}" if not key.startswith(("general.", "tokenizer.")) else key
+        if full not in self.meta:
+            if required:
+                raise CheckpointError(self.path, f"metadata {full!r} is missing")
+            return default
+        value = self.meta[full]
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "str": isinstance(value, str)}[kind]
+        if not ok:
+            shown = f"an array of {len(value)}" if isinstance(value, (ArrayInfo, list, np.ndarray)) else repr(value)
+            raise CheckpointError(self.path, f"metadata {full!r} is {shown}, expected one {kind}")
+        if kind == "int" and value <= 0:
+            raise CheckpointError(self.path, f"metadata {full!r} is {value}, expected a positive integer")
+        return float(value) if kind == "float" else value
+
+
+def _config(path, meta, infos):
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise CheckpointError(path, "metadata 'general.architecture' is missing or not a string")
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(path, f"architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    m = _Meta(path, meta, arch)
+    split_count = meta.get("split.count", 1)
+    if split_count != 1:
+        raise CheckpointError(path, f"is part {meta.get('split.no', 0)} of a {split_count}-file split "
+                              "GGUF; merge it first (llama-gguf-split --merge)")
+    hidden = m.get("embedding_length", "int", required=True)
+    heads = m.get("attention.head_count", "int", required=True)
+    kv_heads = m.get("attention.head_count_kv", "int", default=heads)
+    head_dim = m.get("attention.key_length", "int")
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(path, f"embedding_length {hidden} is not a multiple of "
+                                  f"head_count {heads} and no attention.key_length is given")
+        head_dim = hidden // heads
+    value_dim = m.get("attention.value_length", "int", default=head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(path, f"attention.value_length {value_dim} differs from key_length "
+                              f"{head_dim}; cism needs one head_dim")
+    rope_dims = m.get("rope.dimension_count", "int", default=head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(path, f"rope.dimension_count {rope_dims} rotates only part of the "
+                              f"{head_dim}-wide heads; partial rotary is not supported")
+    experts = meta.get(f"{arch}.expert_count", 0)
+    if experts:
+        raise CheckpointError(path, f"is a mixture of {experts} experts; not supported")
+
+    # cism implements plain RoPE only. Linear scaling by 1 is plain RoPE; a
+    # factor of 0 is how llama.cpp writes "unset".
+    scaling = m.get("rope.scaling.type", "str", default="none")
+    factor = m.get("rope.scaling.factor", "float", default=0.0)
+    if scaling not in ("none", "linear") or factor not in (0.0, 1.0):
+        raise CheckpointError(path, f"uses rope scaling (type {scaling!r}, factor {factor}); "
+                              "cism implements plain RoPE only")
+    names = {t.name for t in infos}
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(path, "carries rope_freqs.weight (Llama 3 rope scaling); "
+                              "cism implements plain RoPE only")
+
+    vocab = m.get("vocab_size", "int")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        embd = next((t for t in infos if t.name == "token_embd.weight"), None)
+        if isinstance(tokens, (ArrayInfo, list)) and len(tokens):
+            vocab = len(tokens)
+        elif embd is not None and len(embd.shape) == 2:
+            vocab = embd.shape[0]
+        else:
+            raise CheckpointError(path, "no vocabulary size: no vocab_size, token list or token_embd.weight")
+
+    config = {
+        "model_type": arch,
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": m.get("feed_forward_length", "int", required=True),
+        "num_hidden_layers": m.get("block_count", "int", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": m.get("context_length", "int", required=True),
+        "rms_norm_eps": m.get("attention.layer_norm_rms_epsilon", "float", required=True),
+        "rope_theta": m.get("rope.freq_base", "float", default=10000.0),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            config[key] = value
+    return config
+
+
+# --- tensors ------------------------------------------------------------------------
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_LAYER_RE = re.compile(r"blk\.(0|[1-9][0-9]{0,5})\.([a-z_]+)\.weight")
+
+
+def hf_name(path, name):
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen3 models", name)
+
+
+# Tensors bigger than this are dequantised in row chunks so that all threads
+# share the embedding; smaller ones are one job each.
+_CHUNK_ELEMENTS = 1 << 21
+
+
+def _decode(info, raw, n_heads):
+    """One whole tensor (q and k: their rows must all be present to reorder)."""
+    out = np.empty(info.shape, np.float32)
+    ggml_types.dequantize_into(info.type_id, raw, out.reshape(-1))
+    return rotary_interleaved_to_halves(out, n_heads) if n_heads else out
+
+
+def load_gguf(path, threads=None):
+    """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
+
+    ``threads`` (None = the process default) only changes the speed: every
+    element is decoded by the same elementwise numpy expression.
+    """
+    from .._threads import resolve_threads
+    path = os.fspath(path)
+    threads = resolve_threads(threads)
+    meta, infos, _ = _parse(path)
+    config = _config(path, meta, infos)
+    if not infos:
+        raise CheckpointError(path, "holds no tensors (a vocabulary-only GGUF?)")
+
+    plan = []
+    targets = set()
+    for info in infos:
+        target = hf_name(path, info.name)
+        if target in targets:
+            raise CheckpointError(path, f"maps to {target!r} like another tensor", info.name)
+        targets.add(target)
+        if info.type_id not in ggml_types.DEQUANTIZERS:
+            supported = ", ".join(ggml_types.type_name(t) for t in ggml_types.DEQUANTIZERS)
+            raise CheckpointError(path, f"type {ggml_types.type_name(info.type_id)} is not supported "
+                                  f"({supported})", info.name)
+        plan.append((info, target))
+
+    # llama.cpp stores llama's q and k rows in the interleaved-pair rotary order
+    # (convert_hf_to_gguf.py LlamaModel.permute); HF rotate-half wants them back.
+    # qwen2/qwen3 are converted without that permutation (NEOX rope in ggml).
+    heads_of = {}
+    if config["model_type"] == "llama":
+        for info, target in plan:
+            if target.endswith("self_attn.q_proj.weight"):
+                heads_of[target] = config["num_attention_heads"]
+            elif target.endswith("self_attn.k_proj.weight"):
+                heads_of[target] = config["num_key_value_heads"]
+            else:
+                continue
+            n = heads_of[target]
+            if len(info.shape) != 2 or info.shape[0] % (2 * n):
+                raise CheckpointError(path, f"shape {info.shape} cannot be split into {n} heads "
+                                      "of rotary pairs", info.name)
+
+    weights = {}
+    whole = []          # (target, future) for tensors decoded in one job
+    chunks = []         # futures writing into arrays already in ``weights``
+    with open_file(path) as f, ThreadPoolExecutor(threads) as pool:
+        # Read in file order (sequential I/O) while the pool decodes what was read.
+        for info, target in sorted(plan, key=lambda p: p[0].offset):
+            raw = np.empty(info.nbytes, np.uint8)
+            read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
+            size = math.prod(info.shape)
+            if target in heads_of or size <= _CHUNK_ELEMENTS:
+                whole.append((target, pool.submit(_decode, info, raw, heads_of.get(target))))
+                continue
+            out = np.empty(info.shape, np.float32)
+            weights[target] = out
+            rows = info.shape[0] if len(info.shape) > 1 else 1
+            per_row, row_bytes = size // rows, info.nbytes // rows   # rows hold whole blocks
+            step = max(1, _CHUNK_ELEMENTS // per_row)
+            flat = out.reshape(-1)
+            for lo in range(0, rows, step):
+                hi = min(lo + step, rows)
+                chunks.append(pool.submit(ggml_types.dequantize_into, info.type_id,
+                                          raw[lo * row_bytes:hi * row_bytes],
+                                          flat[lo * per_row:hi * per_row]))
+        for target, job in whole:
+            weights[target] = job.result()
+        for job in chunks:
+            job.result()
+    weights = {target: weights[target] for _, target in plan}   # the file's order
+    return Checkpoint(config=config, weights=weights, path=path, format="gguf",
+                      tokenizer=_tokenizer(path, meta))
+
+
+def _tokenizer(path, meta):
+    return {"kind": "gguf", "path": path} if "tokenizer.ggml.model" in meta else None
+
+
+def read_config(path):
+    """The HF-style config of a GGUF file, from its header alone."""
+    path = os.fspath(path)
+    meta, infos, _ = _parse(path)
+    return _config(path, meta, infos)
