@@ -100,6 +100,7 @@ cdef class DenseModel:
     cdef readonly object config
     cdef str precision_
     cdef list keep                 # Matrix objects and norm arrays the C pointers point into
+    cdef list rope_keep            # inv_freq and the rotary tables (not weights)
     cdef dict matrices
     cdef size_t weight_bytes_
     cdef str compile_key_
@@ -240,7 +241,7 @@ cdef class DenseModel:
                     angle = <float>p * iv[j]
                     ct[p, j] = cosf(angle)
                     st[p, j] = sinf(angle)
-        self.keep += [inv, cos_t, sin_t]
+        self.rope_keep = [inv, cos_t, sin_t]
         self.c.inv_freq = <float*>cnp.PyArray_DATA(inv)
         self.c.rope_cos = <float*>cnp.PyArray_DATA(cos_t)
         self.c.rope_sin = <float*>cnp.PyArray_DATA(sin_t)
@@ -430,7 +431,7 @@ cdef class DenseModel:
         if (<PagedSession>src).model is not self:
             raise ValueError("fork source belongs to a different model")
         prefix_len = check_count(prefix_len, "prefix_len")
-        p = as_tokens(prompt, self.c.vocab)
+        p = as_tokens(prompt, self.c.vocab, "prompt", True)
         if len(p) < prefix_len:
             raise ValueError(f"fork prefix longer than child prompt ({prefix_len} > {len(p)})")
         hist, logits = src._source_view()
@@ -439,12 +440,12 @@ cdef class DenseModel:
             # for exactly this prefix, or it would sample garbage
             if prefix_len == 0:
                 raise ValueError("fork with empty prompt cannot seed first-token logits")
-            if len(hist) != prefix_len:
-                raise ValueError("fork source advanced past the shared prefix; "
-                                 "empty-suffix fork cannot seed first-token logits")
             if logits is None:
                 raise ValueError("fork source has no forward output to seed from; "
                                  "prefill the source first")
+            if len(hist) > prefix_len:
+                raise ValueError("fork source advanced past the shared prefix; "
+                                 "empty-suffix fork cannot seed first-token logits")
         if prefix_len > len(hist):
             raise ValueError(f"fork prefix longer than source history ({prefix_len} > {len(hist)})")
         if not np.array_equal(p[:prefix_len], hist[:prefix_len]):

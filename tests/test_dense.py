@@ -1,0 +1,377 @@
+"""Dense Llama/Qwen3: parity with transformers, invariances (threads, chunking,
+speculation), sampling, cancellation, and every validation message."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cism.dense import Config, Model, weight_shapes
+
+from models import dense_weights, small_config, small_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+
+
+# ------------------------------------------------------ transformers parity ---
+
+def hf_model(kind, seed, **kw):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=kw.get("vocab", 301), hidden_size=kw.get("hidden", 128),
+                  intermediate_size=kw.get("inter", 200), num_hidden_layers=kw.get("layers", 2),
+                  num_attention_heads=kw.get("heads", 4), num_key_value_heads=kw.get("kv", 2),
+                  max_position_embeddings=256, tie_word_embeddings=kw.get("tied", False),
+                  initializer_range=0.1, rope_theta=kw.get("theta", 10000.0))
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(rms_norm_eps=1e-5, head_dim=kw.get("head_dim"), **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, head_dim=kw.get("head_dim", 64), **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # lively norms so tokens are not one repeated id
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.eval()
+    cfg_dict = cfg.to_dict()
+    cfg_dict["model_type"] = kind
+    return cfg_dict, model
+
+
+PARITY = [
+    ("llama", dict(heads=4, kv=4, tied=True)),                       # MHA, tied
+    ("llama", dict(heads=4, kv=2, vocab=317)),                       # GQA, vocab % 32 != 0
+    ("llama", dict(heads=2, kv=1, head_dim=128, hidden=128, inter=96, tied=True)),
+    ("qwen3", dict(heads=4, kv=2, head_dim=64, vocab=299)),          # q/k norms, width != hidden
+    ("qwen3", dict(heads=2, kv=2, head_dim=128, tied=True, layers=3)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", PARITY)
+def test_parity_with_transformers(kind, kw, tmp_path):
+    cfg_dict, hf = hf_model(kind, seed=len(str(kw)), **kw)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = Model.from_pretrained(tmp_path, threads=2)
+    assert model.config == Config.from_hf(cfg_dict)
+    prompt = [3, 17, 42, 99, 5, 7, 250, 1, 0, 280, 12, 12, 12]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].numpy()
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                          do_sample=False)[0, len(prompt):].tolist()
+    got = model.logits(prompt)
+    assert np.abs(got - want[-1]).max() / np.abs(want[-1]).max() < 1e-4
+    assert model.create_session(prompt, 32).next_tokens(32) == gen
+    # teacher-forced NLL from transformers' logits of every position
+    logp = torch.log_softmax(torch.tensor(want, dtype=torch.float64), -1).numpy()
+    nll = -np.mean([logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)])
+    assert abs(model.nll(prompt) - nll) < 1e-4 * max(1, abs(nll))
+
+
+# ------------------------------------------------------------- invariances ---
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_thread_count_does_not_change_logits(precision):
+    config = small_config("qwen3")
+    w = dense_weights(config, 1)
+    prompt = list(range(3, 60))
+    base = Model(config, w, precision, threads=1).logits(prompt)
+    for threads in (2, 3):
+        assert np.array_equal(Model(config, w, precision, threads=threads).logits(prompt), base)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-fp4"])
+def test_decode_steps_equal_blocked_prefill(precision):
+    """Logits after each single-token decode step equal, bit for bit, the
+    logits of prefilling the same tokens as one blocked prompt (chunks of 256,
+    whose boundary the sequence crosses)."""
+    model = small_model("llama", precision, context=1024)
+    prompt = list(np.random.default_rng(2).integers(0, 97, 250))
+    s = model.create_session(prompt, 12)
+    assert s.last_logits is None
+    s.next_tokens(0)
+    generated = []
+    for _ in range(12):
+        generated += s.next_tokens(1)
+        if s.finish_reason:
+            break
+        assert np.array_equal(s.last_logits, model.logits(prompt + generated))
+    assert len(generated) == 12
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_speculative_equals_greedy(precision):
+    model = small_model("llama", precision, seed=3)
+    rng = np.random.default_rng(4)
+    base = list(rng.integers(0, 97, 12))
+    prompt = base + base + base[:5]  # repetitive: the drafter finds matches
+    want = model.create_session(prompt, 60, eos=[]).next_tokens(60)
+    for k in (2, 4, 8, 16):
+        s = model.create_session(prompt, 60)
+        got = s.next_tokens(60, spec_k=k)
+        assert got == want, k
+        proposed, accepted = s.spec_stats()
+        assert proposed > 0 and 0 <= accepted <= proposed
+    # eos and budget edges inside a verification block
+    eos = want[7]
+    stop = model.create_session(prompt, 60, eos=[eos])
+    assert stop.next_tokens(60, spec_k=8) == want[: want.index(eos) + 1]
+    assert stop.finish_reason == "stop"
+    for budget in (1, 2, 3, 9):
+        s = model.create_session(prompt, budget)
+        assert s.next_tokens(100, spec_k=8) == want[:budget]
+        assert s.finish_reason == "length"
+    s = model.create_session(prompt, 60)
+    got = []
+    for n in (1, 2, 5, 3, 60):
+        got += s.next_tokens(n, spec_k=4)
+    assert got == want
+
+
+def test_verify_and_draft():
+    model = small_model("llama", seed=5)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    want = model.create_session(prompt, 20).next_tokens(20)
+    s = model.create_session(prompt, 20)
+    s.next_tokens(0)
+    assert s.draft(3) == []  # nothing cached before the prompt runs
+    s.next_tokens(1)
+    hist = prompt + want[:1]
+    from cism.sampling import draft
+    assert s.draft(4) == draft(hist, 4)
+    # a right guess is accepted with a bonus token; a wrong one costs nothing
+    out = s.verify(want[1:4])
+    assert out == want[1:len(out) + 1] and len(out) >= 2
+    out2 = s.verify([(want[len(out) + 1] + 1) % 97, 0])
+    assert out2 == [want[len(out) + 1]]
+    assert s.next_tokens(20) == want[len(out) + 2:]
+    with pytest.raises(ValueError, match="at most 16"):
+        s.verify(list(range(17)))
+    with pytest.raises(ValueError, match="greedy"):
+        model.create_session(prompt, 5, temperature=1.0).verify([1, 2])
+
+
+# ---------------------------------------------------------------- sampling ---
+
+def test_sampling_is_reproducible_and_degenerates_to_greedy():
+    model = small_model("qwen3", seed=6)
+    prompt = [5, 9, 13]
+    greedy = model.create_session(prompt, 30).next_tokens(30)
+    a = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=11).next_tokens(30)
+    b = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=11).next_tokens(30)
+    c = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=12).next_tokens(30)
+    assert a == b and a != c
+    assert model.create_session(prompt, 30, temperature=1.5, top_k=1, seed=3).next_tokens(30) == greedy
+    assert model.create_session(prompt, 30, temperature=1.5, top_p=1e-9, seed=3).next_tokens(30) == greedy
+    # split calls draw the same stream
+    s = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=11)
+    assert s.next_tokens(7) + s.next_tokens(23) == a
+
+
+def test_eos_and_length():
+    model = small_model("llama", seed=7)
+    want = model.create_session([1, 2], 20).next_tokens(20)
+    s = model.create_session([1, 2], 20, eos=[want[4]])
+    assert s.next_tokens(100) == want[: want.index(want[4]) + 1]
+    assert s.finish_reason == "stop" and s.next_tokens(5) == []
+    s = model.create_session([1, 2], 6)
+    assert s.finish_reason == ""
+    assert s.next_tokens(100) == want[:6] and s.finish_reason == "length"
+    assert s.generated_tokens == 6
+    z = model.create_session([1, 2], 0)
+    assert z.finish_reason == "length" and z.next_tokens(3) == []
+
+
+# ------------------------------------------------------------ cancellation ---
+
+def test_cancel_before_and_during_decode_and_prefill():
+    model = small_model("llama", seed=8, layers=6, hidden=256, intermediate=512, heads=8, kv_heads=4,
+                        head_dim=32, context=4096, vocab=500)
+    s = model.create_session([1, 2, 3], 10)
+    s.cancel()
+    assert s.next_tokens(5) == [] and s.finish_reason == "cancelled"
+
+    # mid-decode: a long generation stopped from another thread
+    s = model.create_session([1, 2, 3], 3000)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("tokens", s.next_tokens(3000)))
+    t.start()
+    time.sleep(0.3)
+    s.cancel()
+    t.join()
+    assert s.finish_reason == "cancelled" and len(out["tokens"]) < 3000
+
+    # mid-prefill: a 3500-token prompt cancelled right after it starts
+    prompt = list(np.random.default_rng(0).integers(0, 500, 3500))
+    s = model.create_session(prompt, 10)
+    t = threading.Thread(target=lambda: out.__setitem__("prefill", s.next_tokens(10)))
+    t.start()
+    time.sleep(0.05)
+    s.cancel()
+    t.join()
+    assert s.finish_reason == "cancelled" and out["prefill"] == []
+    # the model is untouched and still exact
+    assert model.create_session([1, 2, 3], 5).next_tokens(5) == model.create_session([1, 2, 3], 5).next_tokens(5)
+
+
+# --------------------------------------------------------------- validation ---
+
+def test_config_validation_messages():
+    ok = dict(model_type="llama", hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2,
+              head_dim=16, vocab=97, context=64)
+    Config(**ok)
+    cases = [
+        (dict(model_type="gpt2"), "model_type must be llama or qwen3"),
+        (dict(hidden=0), "hidden_size is outside supported bounds"),
+        (dict(hidden=65537), "hidden_size is outside supported bounds"),
+        (dict(intermediate=262145), "intermediate_size is outside supported bounds"),
+        (dict(layers=257), "num_hidden_layers is outside supported bounds"),
+        (dict(heads=513), "num_attention_heads is outside supported bounds"),
+        (dict(kv_heads=0), "num_key_value_heads is outside supported bounds"),
+        (dict(head_dim=1025), "head_dim is outside supported bounds"),
+        (dict(vocab=2_000_001), "vocab_size is outside supported bounds"),
+        (dict(context=1_048_577), "max_position_embeddings is outside supported bounds"),
+        (dict(kv_heads=3), "attention heads must divide into KV groups"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(heads=512, head_dim=256, kv_heads=1), "query width is outside supported bounds"),
+        (dict(eps=0.0), "rms_norm_eps must be finite and positive"),
+        (dict(eps=float("nan")), "rms_norm_eps must be finite and positive"),
+        (dict(rope_theta=-1.0), "rope_theta must be finite and positive"),
+        (dict(hidden=64.0), "hidden_size must be an integer"),
+        (dict(tied=1), "tie_word_embeddings must be true or false"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Config(**{**ok, **change})
+
+
+def test_from_hf_mapping_and_refusals():
+    d = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, vocab_size=97, max_position_embeddings=64)
+    c = Config.from_hf(d)
+    assert (c.kv_heads, c.head_dim, c.tied, c.rope_theta) == (4, 16, False, 10000.0)
+    c = Config.from_hf({**d, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert c.rope_theta == 5e5
+    for extra, message in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "not implemented"),
+                           ({"rope_scaling": {"type": "yarn"}}, "not implemented"),
+                           ({"attention_bias": True}, "attention_bias"),
+                           ({"hidden_act": "gelu"}, "hidden_act"),
+                           ({"model_type": "mistral"}, "model_type")]:
+        with pytest.raises(ValueError, match=message):
+            Config.from_hf({**d, **extra})
+    with pytest.raises(ValueError, match="missing 'vocab_size'"):
+        Config.from_hf({k: v for k, v in d.items() if k != "vocab_size"})
+
+
+def test_weight_validation_messages():
+    config = small_config()
+    good = dense_weights(config)
+    Model(config, good, threads=1)
+    bad = dict(good)
+    del bad["model.norm.weight"]
+    with pytest.raises(ValueError, match="unexpected or missing weights: missing model.norm.weight"):
+        Model(config, bad)
+    bad = dict(good, **{"model.extra": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="unexpected model.extra"):
+        Model(config, bad)
+    bad = dict(good)
+    bad["model.layers.1.mlp.up_proj.weight"] = np.zeros((95, 64), np.float32)
+    with pytest.raises(ValueError, match="incorrectly sized weight: model.layers.1.mlp.up_proj.weight"):
+        Model(config, bad)
+    bad = dict(good)
+    bad["model.layers.0.self_attn.q_proj.weight"] = good["model.layers.0.self_attn.q_proj.weight"].copy()
+    bad["model.layers.0.self_attn.q_proj.weight"][3, 4] = np.inf
+    with pytest.raises(ValueError, match="non-finite weight: model.layers.0.self_attn.q_proj.weight"):
+        Model(config, bad)
+    bad = dict(good)
+    bad["model.norm.weight"] = np.arange(64)
+    with pytest.raises(ValueError, match="must be a float array"):
+        Model(config, bad)
+    tied = small_config(tied=True)
+    w = dense_weights(tied, untied_head=True)
+    with pytest.raises(ValueError, match="tied lm_head.weight must equal model.embed_tokens.weight"):
+        Model(tied, w)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    Model(tied, w)  # an equal copy is accepted
+    with pytest.raises(ValueError, match="missing lm_head.weight for untied model"):
+        Model(config, {k: v for k, v in good.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="precision must be"):
+        Model(config, good, precision="int4")
+    with pytest.raises(ValueError, match="act_precision must be"):
+        Model(config, good, act_precision="fp16")
+    with pytest.raises(ValueError, match="threads must be in"):
+        Model(config, good, threads=0)
+    with pytest.raises(ValueError, match="config must be"):
+        Model({"hidden": 1}, good)
+    huge = Config("llama", hidden=65536, intermediate=262144, layers=256, heads=512, kv_heads=512,
+                  head_dim=128, vocab=2_000_000, context=4096)
+    with pytest.raises(ValueError, match="64 GiB safety limit"):
+        weight_shapes(huge, True)
+
+
+def test_session_validation_messages():
+    model = small_model(context=64)
+    ok = dict(prompt=[1, 2], max_new_tokens=4)
+    cases = [
+        (dict(prompt=[]), "at least one token"),
+        (dict(prompt=[1, 97]), "outside the vocabulary"),
+        (dict(prompt=[-1]), "outside the vocabulary"),
+        (dict(prompt="hello"), "not text"),
+        (dict(prompt=[1.5, 2.0]), "integer token ids"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be a nonnegative integer"),
+        (dict(max_new_tokens=63), "exceeds max_position_embeddings"),
+        (dict(temperature=-0.1), "temperature must be finite and nonnegative"),
+        (dict(temperature=float("inf")), "temperature must be finite and nonnegative"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=98), r"top_k must be in \[0, vocab_size=97\]"),
+        (dict(top_k=-1), "top_k must be in"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(seed=2**64), "seed must be an integer"),
+        (dict(eos=[97]), "outside the vocabulary"),
+    ]
+    for change, message in cases:
+        args = {**ok, **change}
+        with pytest.raises(ValueError, match=message):
+            model.create_session(args.pop("prompt"), args.pop("max_new_tokens"), **args)
+    s = model.create_session([1, 2], 4)
+    with pytest.raises(ValueError, match="count must be a nonnegative integer"):
+        s.next_tokens(-1)
+    for k in (1, 17, -2):
+        with pytest.raises(ValueError, match=r"spec_k must be 0 \(off\) or in \[2, 16\]"):
+            s.next_tokens(2, spec_k=k)
+    with pytest.raises(ValueError, match="greedy"):
+        model.create_session([1], 4, temperature=0.5).next_tokens(2, spec_k=4)
+    with pytest.raises(ValueError, match="nll requires at least 2 tokens"):
+        model.nll([1])
+    big = Config("llama", hidden=64, intermediate=64, layers=256, heads=4, kv_heads=4, head_dim=16,
+                 vocab=10, context=1_048_576)
+    bigm = Model(big, dense_weights(big), threads=1)
+    with pytest.raises(ValueError, match="8 GiB safety limit"):
+        bigm.create_session([1], 500_000)
+
+
+def test_model_properties_and_memory_controls():
+    config = small_config("qwen3")
+    w = dense_weights(config)
+    m = Model(config, w, "hybrid-int4", threads=2, act_precision="int8")
+    assert (m.precision, m.act_precision, m.thread_count) == ("hybrid-int4", "int8", 2)
+    assert m.weight_bytes == sum(
+        m.matrix(n).nbytes for n in w if n.endswith("proj.weight") or n.endswith("embed_tokens.weight")
+        or n == "lm_head.weight") + 4 * sum(v.size for n, v in w.items() if v.ndim == 1)
+    assert m.matrix("model.layers.0.mlp.up_proj.weight").storage == "int4"
+    assert m.matrix("model.layers.0.self_attn.q_proj.weight").storage == "int8"
+    key = m.compile_key
+    assert len(key) == 32 and key == Model(config, w, "hybrid-int4", threads=2, act_precision="int8").compile_key
+    m.set_act_precision("fp32")
+    assert m.compile_key != key and m.act_precision == "fp32"
+    assert m.compile_canonical.startswith("qwen3|64|96|2|4|2|16|97|512|")
+    assert m.scan() == m.touch() > 0
+    locked = m.lock_pages()
+    assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
+    with pytest.raises(ValueError, match="already locked"):
+        m.lock_pages()
+    m.unlock_pages()
+    with pytest.raises(ValueError, match="not locked"):
+        m.unlock_pages()

@@ -1,0 +1,431 @@
+"""Paged KV: the BlockPool against a pure-Python model (hypothesis state
+machine), and paged sessions bit-identical to dense sessions through forks,
+evictions, recomputes and pool resets."""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cism import OutOfBlocks
+from cism.paging import BlockPool
+
+from models import small_model
+
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+
+
+# ------------------------------------------------------ the pool, modelled ---
+
+class PoolModel:
+    """The pool's documented semantics in plain Python."""
+
+    def __init__(self, n):
+        self.n = n
+        self.free = list(range(n - 1, -1, -1))
+        self.table, self.ref, self.prio, self.seq, self.ctr = {}, [0] * n, {}, {}, 0
+
+    def need(self, n):
+        return (n + 15) // 16
+
+    def pop(self):
+        b = self.free.pop()
+        self.ref[b] = 1
+        return b
+
+    def allocate(self, r, n):
+        if r in self.table:
+            return "dup"
+        if len(self.free) < self.need(n):
+            return "oom"
+        self.table[r] = [self.pop() for _ in range(self.need(n))]
+        self.prio[r] = 0
+        self.ctr += 1
+        self.seq[r] = self.ctr
+
+    def ensure(self, r, n):
+        if r not in self.table:
+            return "unknown"
+        miss = self.need(n) - len(self.table[r])
+        if miss > len(self.free):
+            return "oom"
+        for _ in range(max(0, miss)):
+            self.table[r].append(self.pop())
+
+    def release(self, r):
+        for b in self.table.pop(r):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.append(b)
+        self.prio.pop(r)
+        self.seq.pop(r)
+
+    def fork(self, d, s, n):
+        if d in self.table:
+            return "dup"
+        if s not in self.table:
+            return "unknown"
+        full, tail = divmod(n, 16)
+        if full + (tail > 0) > len(self.table[s]):
+            return "beyond"
+        if tail and not self.free:
+            return "oom"
+        blocks = self.table[s][:full]
+        for b in blocks:
+            self.ref[b] += 1
+        copied = None
+        if tail:
+            copied = (self.table[s][full], self.pop(), tail)
+            blocks.append(copied[1])
+        self.table[d] = blocks
+        self.prio[d] = self.prio[s]
+        self.ctr += 1
+        self.seq[d] = self.ctr
+        return copied
+
+    def cow(self, r, pos):
+        if r not in self.table:
+            return "unknown"
+        bi = pos // 16
+        if bi >= len(self.table[r]):
+            return "beyond"
+        old = self.table[r][bi]
+        if self.ref[old] <= 1:
+            return None
+        if not self.free:
+            return "oom"
+        new = self.pop()
+        self.ref[old] -= 1
+        self.table[r][bi] = new
+        return (old, new)
+
+    def evict(self, except_req):
+        cands = [r for r in self.table if r != except_req]
+        if not cands:
+            return -1
+        victim = min(cands, key=lambda r: (self.prio[r], -self.seq[r]))
+        self.release(victim)
+        return victim
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(6, 2, 3)
+        self.model = PoolModel(6)
+        self.next_id = 0
+
+    def snapshot(self):
+        return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
+
+    def same_or_unchanged(self, outcome, call, exc):
+        before = self.snapshot()
+        k_before = self.pool.k_pages.copy()
+        if outcome in ("dup", "unknown", "beyond", "oom"):
+            with pytest.raises(exc):
+                call()
+            assert self.snapshot() == before  # failed operations change nothing
+            assert np.array_equal(self.pool.k_pages, k_before)
+            return False
+        call()
+        return True
+
+    reqs = st.integers(0, 7)
+
+    @rule(r=reqs, n=st.integers(0, 40))
+    def allocate(self, r, n):
+        out = self.model.allocate(r, n) if r not in self.model.table else "dup"
+        if out == "dup":
+            with pytest.raises(ValueError, match="duplicate"):
+                self.pool.allocate(r, n)
+            return
+        if out == "oom":
+            self.model.table.pop(r, None)
+        self.same_or_unchanged(out, lambda: self.pool.allocate(r, n), OutOfBlocks)
+        if out is None:
+            # write recognisable data into the new blocks
+            for i, b in enumerate(self.pool.get_blocks(r)):
+                self.pool.k_pages[b] = r * 100 + i
+
+    @rule(r=reqs, n=st.integers(0, 60))
+    def ensure(self, r, n):
+        before = list(self.model.table.get(r, []))
+        out = self.model.ensure(r, n)
+        exc = ValueError if out == "unknown" else OutOfBlocks
+        if out == "oom":
+            self.model.table[r] = before
+        self.same_or_unchanged(out, lambda: self.pool.ensure(r, n), exc)
+
+    @rule(r=reqs)
+    def free(self, r):
+        if r not in self.model.table:
+            with pytest.raises(ValueError, match="double-free"):
+                self.pool.free(r)
+            return
+        self.model.release(r)
+        self.pool.free(r)
+
+    @rule(d=reqs, s=reqs, n=st.integers(0, 48))
+    def fork(self, d, s, n):
+        src_blocks = list(self.model.table.get(s, []))
+        free_before = list(self.model.free)
+        src_data = self.pool.k_pages.copy()
+        out = self.model.fork(d, s, n)
+        if isinstance(out, str):
+            exc = OutOfBlocks if out == "oom" else ValueError
+            self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n), exc)
+            return
+        got = self.pool.fork(d, s, n)
+        assert got == self.model.table[d]
+        full = n // 16
+        assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
+        if out is not None:  # the partial tail was copied into a private block
+            src_b, dst_b, tail = out
+            assert np.array_equal(self.pool.k_pages[dst_b, :, :tail], src_data[src_b, :, :tail])
+        assert free_before[: len(self.model.free)] == self.model.free
+
+    @rule(r=reqs, pos=st.integers(0, 70))
+    def copy_on_write(self, r, pos):
+        data = self.pool.k_pages.copy()
+        out = self.model.cow(r, pos)
+        exc = OutOfBlocks if out == "oom" else ValueError
+        if isinstance(out, str):
+            self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), exc)
+            return
+        self.pool.copy_on_write(r, pos)
+        assert np.array_equal(self.pool.k_pages[[b for b in range(6) if b not in (out or (None, None))[1:]]],
+                              data[[b for b in range(6) if b not in (out or (None, None))[1:]]])
+        if out:
+            old, new = out
+            assert np.array_equal(self.pool.k_pages[new], data[old])  # full copy
+            assert np.array_equal(self.pool.k_pages[old], data[old])  # the shared block is untouched
+
+    @rule(r=reqs)
+    def evict(self, r):
+        assert self.pool.evict_one(r) == self.model.evict(r)
+
+    @precondition(lambda self: self.model.table)
+    @rule(data=st.data(), p=st.integers(-3, 3))
+    def set_priority(self, data, p):
+        r = data.draw(st.sampled_from(sorted(self.model.table)))
+        self.model.prio[r] = p
+        self.pool.set_priority(r, p)
+        assert self.pool.priority(r) == p
+
+    @rule(extra=st.integers(0, 3))
+    def grow(self, extra):
+        if self.model.n + extra > 14:
+            return
+        self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
+        self.model.ref += [0] * extra
+        self.model.n += extra
+        self.pool.grow(extra)
+
+    @invariant()
+    def matches_model(self):
+        m, p = self.model, self.pool
+        assert p.free_stack == m.free
+        assert p.table == m.table
+        assert len(set(p.free_stack)) == len(p.free_stack)  # no duplicates
+        holders = [0] * p.num_blocks
+        for blocks in p.table.values():
+            for b in blocks:
+                holders[b] += 1
+        for b in range(p.num_blocks):
+            assert p.refcount(b) == holders[b] == m.ref[b]
+            assert (holders[b] == 0) == (b in p.free_stack)  # free or referenced, never both
+        assert p.used() == sum(len(b) for b in m.table.values())
+        assert p.phys_used() == p.num_blocks - p.free_count() == sum(h > 0 for h in holders)
+        assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_pool_basics_and_errors():
+    pool = BlockPool(4, 2, 8)
+    assert pool.allocate(1, 17) == [0, 1]  # LIFO: block 0 first
+    assert pool.blocks_needed(0) == 0 and pool.blocks_needed(16) == 1 and pool.blocks_needed(17) == 2
+    assert pool.can_allocate(32) and not pool.can_allocate(33)
+    with pytest.raises(OutOfBlocks, match="need 3 blocks, only 2 free of 4"):
+        pool.allocate(2, 40)
+    assert not pool.contains(2)
+    assert pool.kv_elements() == 4 * 2 * 16 * 8 and pool.kv_bytes() == pool.kv_elements() * 8
+    assert pool.k_pages.shape == (4, 2, 16, 8)
+    for args, message in [((0, 2, 8), "num_blocks must be positive"),
+                          ((1, 257, 8), "num_layers is outside supported bounds"),
+                          ((1, 2, 65537), "kv_width is outside supported bounds"),
+                          ((1, 2, 8, 32), "block_size must be 16"),
+                          ((1 << 20, 256, 65536), "8 GiB safety limit")]:
+        with pytest.raises(ValueError, match=message):
+            BlockPool(*args)
+    with pytest.raises(ValueError, match="8 GiB"):
+        pool.grow(1 << 30)
+    with pytest.raises(ValueError, match="bad phys block"):
+        pool.refcount(4)
+    with pytest.raises(ValueError, match="unknown req_id=9"):
+        pool.priority(9)
+
+
+# --------------------------------------------------------- paged sessions ---
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_paged_equals_dense_through_forks_evictions_and_resets(precision):
+    model = small_model("qwen3", precision, seed=21)
+    rng = np.random.default_rng(22)
+    prompt = list(rng.integers(0, 97, 37))
+    dense = model.create_session(prompt, 30)
+    paged = model.create_paged_session(prompt, 30)
+    want = dense.next_tokens(10)
+    assert paged.next_tokens(10) == want
+    assert np.array_equal(paged.last_logits, dense.last_logits)
+    # a fork sharing the first 33 tokens (two whole blocks and a partial one)
+    child_prompt = prompt + [5, 6, 7]
+    child = model.create_paged_fork_session(child_prompt, 20, src=paged, prefix_len=33)
+    ref = model.create_session(child_prompt, 20)
+    assert child.next_tokens(20) == ref.next_tokens(20)
+    assert np.array_equal(child.last_logits, ref.last_logits)
+    # eviction: the next call recomputes the cache, exactly
+    pool = model.paged_pool()
+    assert pool.evict_one(-1) != -1 and pool.evict_one(-1) != -1
+    assert paged.next_tokens(10) == dense.next_tokens(10)
+    assert paged.recomputes == 1
+    assert np.array_equal(paged.last_logits, dense.last_logits)
+    # a pool reset is safe at any time
+    model.paged_pool_reset()
+    assert model.paged_pool_usage()[0] == 0
+    assert paged.next_tokens(10) == dense.next_tokens(10)
+    assert paged.recomputes == 2 and paged.finish_reason == dense.finish_reason == "length"
+    assert np.array_equal(model.paged_logits(prompt), model.logits(prompt))
+
+
+def test_sampled_paged_streams_match_and_forks_of_forks():
+    model = small_model("llama", seed=23)
+    prompt = list(range(1, 40))
+    a = model.create_session(prompt, 25, temperature=0.8, top_k=30, seed=9).next_tokens(25)
+    p = model.create_paged_session(prompt, 25, temperature=0.8, top_k=30, seed=9)
+    assert p.next_tokens(25) == a
+    src = model.create_paged_session(prompt, 5)
+    assert src.prefill_fork_source() and src.prefill_fork_source()
+    # empty suffix: seeded from the source's logits
+    c1 = model.create_paged_fork_session(prompt, 12, src=src, prefix_len=len(prompt))
+    c1.next_tokens(4)
+    grand = model.create_paged_fork_session(c1.history + [3], 8, src=c1, prefix_len=len(c1.history))
+    want = model.create_session(c1.history + [3], 8).next_tokens(8)
+    assert grand.next_tokens(8) == want
+    assert c1.next_tokens(8) == model.create_session(prompt, 12).next_tokens(12)[4:]
+
+
+def test_fork_errors():
+    model = small_model("llama", seed=24)
+    other = small_model("llama", seed=25)
+    src = model.create_paged_session([1, 2, 3, 4], 5)
+    with pytest.raises(ValueError, match="fork source session is null"):
+        model.create_paged_fork_session([1, 2], 3, src=None, prefix_len=1)
+    with pytest.raises(ValueError, match="different model"):
+        other.create_paged_fork_session([1, 2], 3, src=src, prefix_len=1)
+    with pytest.raises(ValueError, match="fork with empty prompt"):
+        model.create_paged_fork_session([], 3, src=src, prefix_len=0)
+    with pytest.raises(ValueError, match="fork prefix longer than child prompt"):
+        model.create_paged_fork_session([1, 2], 3, src=src, prefix_len=3)
+    with pytest.raises(ValueError, match="fork prefix longer than source history"):
+        model.create_paged_fork_session([1, 2, 3, 9], 3, src=src, prefix_len=2)
+    src.prefill_fork_source()
+    with pytest.raises(ValueError, match="fork prefix tokens differ"):
+        model.create_paged_fork_session([1, 9, 3, 4], 3, src=src, prefix_len=3)
+    src.next_tokens(2)
+    with pytest.raises(ValueError, match="advanced past the shared prefix"):
+        model.create_paged_fork_session([1, 2, 3, 4], 3, src=src, prefix_len=4)
+    fresh = model.create_paged_session([1, 2, 3, 4], 3)
+    with pytest.raises(ValueError, match="no forward output"):
+        model.create_paged_fork_session([1, 2, 3, 4], 3, src=fresh, prefix_len=4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.create_paged_fork_session([], 3, src=fresh, prefix_len=0)
+    src2 = model.create_paged_session([1, 2, 3, 4, 5], 3)
+    src2.prefill_fork_source()
+    model.paged_pool().free(src2.req_id)
+    with pytest.raises(RuntimeError, match="fork source was evicted"):
+        model.create_paged_fork_session([1, 2, 3, 4, 5, 6], 3, src=src2, prefix_len=5)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_many_sessions_in_a_tiny_pool(blocks):
+    model = small_model("llama", seed=26)
+    model.paged_pool_reset(blocks)
+    assert model.paged_pool_max_blocks() == blocks
+    rng = np.random.default_rng(blocks)
+    prompts = [list(rng.integers(0, 97, int(rng.integers(2, 8)))) for _ in range(6)]
+    budget = 16 * blocks - 8
+    sessions = [model.create_paged_session(p, budget) for p in prompts]
+    outs = [[] for _ in prompts]
+    for _ in range(budget // 3 + 1):  # interleaved: they keep evicting each other
+        for i, s in enumerate(sessions):
+            outs[i] += s.next_tokens(3)
+    for p, out, s in zip(prompts, outs, sessions):
+        assert out == model.create_session(p, budget).next_tokens(budget)
+        assert s.finish_reason == "length"
+    assert sum(s.recomputes for s in sessions) > 0
+    big = model.create_paged_session([1], 16 * blocks + 1)
+    with pytest.raises(OutOfBlocks):
+        big.next_tokens(16 * blocks + 1)
+    assert big.finish_reason == "cancelled"
+
+
+def test_priorities_decide_who_is_evicted():
+    model = small_model("llama", seed=27)
+    model.paged_pool_reset(4)
+    a = model.create_paged_session(list(range(17)), 10, priority=5)  # two blocks each
+    b = model.create_paged_session(list(range(20, 37)), 10)
+    a.next_tokens(1)
+    b.next_tokens(1)
+    c = model.create_paged_session([7, 8], 10)
+    c.next_tokens(1)  # needs a block: the newest lowest-priority holder (b) goes
+    pool = model.paged_pool()
+    assert pool.contains(a.req_id) and not pool.contains(b.req_id) and pool.contains(c.req_id)
+    b.set_priority(9)
+    assert b.priority == 9
+    b.next_tokens(1)  # b comes back and pushes out c, now the only lowest priority
+    assert b.recomputes == 1 and a.recomputes == 0
+    assert pool.contains(a.req_id) and pool.contains(b.req_id) and not pool.contains(c.req_id)
+
+
+def test_release_and_env_cap():
+    model = small_model("llama", seed=28)
+    s = model.create_paged_session(list(range(40)), 5)
+    s.next_tokens(2)
+    assert model.paged_pool_usage()[0] == 3
+    del s
+    assert model.paged_pool_usage()[0] == 0
+    code = ("import sys; sys.path.insert(0, %r); from models import small_model; "
+            "m = small_model(); print(m.paged_pool_max_blocks())" % os.path.dirname(__file__))
+    for env, want in (("7", "7"), ("0", "256"), ("junk", "256"), ("99999999", str(1 << 20))):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CISM_PAGED_MAX_BLOCKS": env},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == want, env
+
+
+def test_threads_driving_paged_sessions():
+    model = small_model("llama", seed=29)
+    model.paged_pool_reset(8)
+    prompts = [list(range(i, i + 9)) for i in range(6)]
+    want = [model.create_session(p, 30).next_tokens(30) for p in prompts]
+    got = [None] * 6
+
+    def run(i):
+        s = model.create_paged_session(prompts[i], 30)
+        out = []
+        while not s.finish_reason:
+            out += s.next_tokens(4)
+        got[i] = out
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
