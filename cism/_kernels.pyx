@@ -11,6 +11,12 @@ from libc.stdint cimport int8_t, int16_t
 
 cnp.import_array()
 
+from cython.parallel cimport prange
+from libc.stdint cimport uint64_t
+
+cdef extern from "memscan.h" nogil:
+    uint64_t cism_scan_streams(const void *p, size_t n, size_t streams)
+
 cdef extern from "omp_shim.h" nogil:
     int cism_omp_available()
     int cism_omp_max_threads()
@@ -168,3 +174,27 @@ def quantize(x, int bits):
     else:
         raise ValueError("bits must be 8 or 16")
     return codes, scales
+
+
+def read_bandwidth(nbytes=1 << 31, threads=None, repeats=5, streams=8):
+    """Best-of-``repeats`` read bandwidth in bytes/s over a buffer of
+    ``nbytes`` (well above the last-level cache), each thread reading its
+    share as ``streams`` interleaved streams."""
+    import time
+    from cism._threads import resolve_threads
+    cdef int nt = resolve_threads(threads)
+    buf = np.ones(int(nbytes) // 8, dtype=np.uint64)
+    cdef char *p = <char*>cnp.PyArray_DATA(buf)
+    cdef size_t n = buf.nbytes, part = n // nt, t
+    cdef size_t ns = streams
+    cdef uint64_t sink = 0
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with nogil:
+            for t in prange(nt, num_threads=nt, schedule='static'):
+                sink += cism_scan_streams(p + t * part, part, ns)
+        best = max(best, (part * nt) / (time.perf_counter() - start))
+    if sink == 1:  # keep the reads
+        print("", end="")
+    return best

@@ -28,4 +28,19 @@ static inline uint64_t cism_scan(const void *p, size_t n) {
     for (; i < n; i++) s0 += b[i];
     return s0 + s1 + s2 + s3;
 }
+
+/* Read n bytes as `streams` interleaved sequential streams (the way a
+ * multi-row gemv reads): several DRAM streams per core are needed to reach
+ * the machine's bandwidth. */
+static inline uint64_t cism_scan_streams(const void *p, size_t n, size_t streams) {
+    const uint8_t *b = (const uint8_t *)p;
+    const size_t part = (n / streams) & ~(size_t)31;
+    uint64_t sink = 0;
+    for (size_t off = 0; off < part; off += 256) {
+        const size_t len = part - off < 256 ? part - off : 256;
+        for (size_t s = 0; s < streams; s++) sink += cism_scan(b + s * part + off, len);
+    }
+    if (part * streams < n) sink += cism_scan(b + part * streams, n - part * streams);
+    return sink;
+}
 #endif

@@ -1,0 +1,85 @@
+"""Throughput measurements shared by ``cism bench`` and bench/*.py.
+
+Every figure comes with a baseline measured in the same run: the machine's
+read bandwidth (multi-stream read of a 2 GiB buffer), from which the decode
+roofline is bandwidth / bytes streamed per token.
+"""
+import statistics
+import time
+
+import numpy as np
+
+from cism import _kernels
+
+# Real model shapes, random weights (so benchmarks run anywhere).
+SHAPES = {
+    "smollm2-135m": dict(model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
+                         kv_heads=3, head_dim=64, vocab=49152, context=8192, eps=1e-5,
+                         rope_theta=100000.0, tied=True),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden=1024, intermediate=3072, layers=28, heads=16,
+                       kv_heads=8, head_dim=128, vocab=151936, context=40960, eps=1e-6,
+                       rope_theta=1000000.0, tied=True),
+}
+
+
+def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
+    from cism.dense import Config, Model, weight_shapes
+    config = Config(**SHAPES[shape])
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, s in weight_shapes(config, not config.tied).items():
+        if len(s) == 1:
+            weights[name] = np.ones(s, np.float32)
+        else:
+            w = rng.standard_normal(s, dtype=np.float32)
+            w *= np.float32(1.0 / np.sqrt(s[1]))
+            weights[name] = w
+    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
+
+
+def read_bandwidth(threads, repeats=5):
+    """Bytes per second the machine reads with this many threads."""
+    return _kernels.read_bandwidth(1 << 31, threads=threads, repeats=repeats)
+
+
+def decode_rate(model, tokens=64, repeats=5, prompt_len=16, seed=0):
+    """Median decode tokens/s after a warm-up, prompt prefilled outside the timing."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab if hasattr(model.config, "vocab") else model.config.vocab_size
+    rates = []
+    for i in range(repeats + 1):
+        prompt = rng.integers(0, vocab, prompt_len).tolist()
+        s = model.create_session(prompt, tokens + 1)
+        s.next_tokens(1)  # prefill and the first token
+        t = time.perf_counter()
+        s.next_tokens(tokens)
+        if i:  # the first run warms caches and allocators
+            rates.append(tokens / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def prefill_rate(model, prompt_len=512, repeats=5, seed=1):
+    """Median prompt tokens/s of a prefill (logits of the last token)."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab
+    rates = []
+    for i in range(repeats + 1):
+        prompt = rng.integers(0, vocab, prompt_len).tolist()
+        t = time.perf_counter()
+        model.logits(prompt)
+        if i:
+            rates.append(prompt_len / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5):
+    """Decode and prefill figures of one model, with its roofline ratio."""
+    decode = decode_rate(model, decode_tokens, repeats)
+    prefill = prefill_rate(model, prompt_len, repeats)
+    per_token = model.weight_bytes
+    roofline = bandwidth / per_token
+    return {"precision": model.precision, "act_precision": model.act_precision,
+            "threads": model.thread_count, "weight_bytes": per_token,
+            "decode_tok_s": decode, "prefill_tok_s": prefill,
+            "read_gb_s": bandwidth / 1e9, "roofline_tok_s": roofline,
+            "roofline_ratio": decode / roofline}
