@@ -30,6 +30,7 @@ import json
 import operator
 import re
 import struct
+import threading
 from pathlib import Path
 
 from cism import _tok_deps
@@ -166,32 +167,26 @@ def _flatten_decoders(dec):
 
 def _hf_decode_rule(decoder):
     """How a tokenizer.json `decoder` turns tokens into bytes, for the two
-    families we reproduce exactly: ("bytelevel", False), ("spm", strip), or
-    None (anything else: decode through HF itself)."""
+    families reproduced here: ("bytelevel", False, False) or
+    ("spm", strip_first_space, byte_fallback) for Llama-style
+    Replace("▁", " ") + ByteFallback + Fuse + Strip(" ", 1, 0). None for
+    anything else, which is then decoded by HF itself. (HF's Metaspace decoder
+    drops *every* "▁" of the first token, which no byte mapping reproduces.)"""
     steps = _flatten_decoders(decoder)
     types = [d.get("type") for d in steps]
     if types == ["ByteLevel"]:
-        return ("bytelevel", False)
-    spm_steps = {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
-    if types and set(types) <= spm_steps and ("ByteFallback" in types or "Metaspace" in types):
+        return ("bytelevel", False, False)
+    if types and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip"} and "Replace" in types:
         for d in steps:
             if d["type"] == "Replace":
-                pat = d.get("pattern") or {}
-                if pat.get("String") != SPACE_MARK or d.get("content") != " ":
+                pattern = d.get("pattern") or {}
+                if pattern.get("String") != SPACE_MARK or d.get("content") != " ":
                     return None
             if d["type"] == "Strip" and (d.get("content") != " " or d.get("stop", 0) != 0
                                          or d.get("start", 0) > 1):
                 return None
-            if d["type"] == "Metaspace" and d.get("replacement", SPACE_MARK) != SPACE_MARK:
-                return None
         strip = any(d["type"] == "Strip" and d.get("start", 0) == 1 for d in steps)
-        for d in steps:
-            if d["type"] == "Metaspace":
-                scheme = d.get("prepend_scheme")
-                if scheme is None:
-                    scheme = "always" if d.get("add_prefix_space", True) else "never"
-                strip = strip or scheme != "never"
-        return ("spm", strip)
+        return ("spm", strip, "ByteFallback" in types)
     return None
 
 
@@ -220,7 +215,10 @@ class Tokenizer:
         self._user_specials = tuple(user_specials)
         self._encoder = encoder
         self._hf = hf
-        self._hf_plain = None             # copy of _hf that does not parse specials
+        # HF parses special tokens unless `encode_special_tokens` is set; the
+        # flag lives on the shared object, so flipping it and encoding happen
+        # under one lock.
+        self._hf_lock = threading.Lock()
         self._chat_template = chat_template
         self._compiled_template = None
         self._bos_token = bos_token
@@ -301,7 +299,9 @@ class Tokenizer:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
             ids.append(self._bos_id)
         if self._kind == "hf":
-            ids.extend(self._hf_for(parse_special).encode(text, add_special_tokens=False).ids)
+            with self._hf_lock:
+                self._hf.encode_special_tokens = not parse_special
+                ids.extend(self._hf.encode(text, add_special_tokens=False).ids)
         elif self._kind == "llama2c":
             ids.extend(self._encoder.encode(text.encode("utf-8")))
         else:
@@ -318,16 +318,6 @@ class Tokenizer:
                 ids.extend(self._encoder.encode(frag))
                 after_special = False
         return ids
-
-    def _hf_for(self, parse_special):
-        if parse_special:
-            return self._hf
-        if self._hf_plain is None:
-            tokenizers = _tok_deps.need_tokenizers()
-            plain = tokenizers.Tokenizer.from_str(self._hf.to_str())
-            plain.encode_special_tokens = True  # added special tokens stay text
-            self._hf_plain = plain
-        return self._hf_plain
 
     def _split_specials(self, text, parse_special):
         """llama.cpp's tokenizer_st_partition: for each special token, longest
@@ -442,18 +432,12 @@ class Tokenizer:
         rule = _hf_decode_rule(data.get("decoder"))
         pieces, strip = None, False
         if rule is not None:
-            kind, strip = rule
-            added_ids = {a["id"] for a in added}
-            pieces = []
-            for i, t in enumerate(tokens):
-                if t is None:
-                    pieces.append(b"")
-                elif kind == "bytelevel":
-                    pieces.append(byte_decode(t))
-                elif i in added_ids:
-                    pieces.append(t.encode("utf-8"))  # added tokens skip ByteFallback/Replace
-                else:
-                    pieces.append(_spm_piece(t))
+            # HF runs added tokens through the same decoder as the others.
+            kind, strip, byte_fallback = rule
+            if kind == "bytelevel":
+                pieces = [b"" if t is None else byte_decode(t) for t in tokens]
+            else:
+                pieces = [b"" if t is None else _spm_piece(t, byte_fallback) for t in tokens]
 
         cfg = _read_hf_config(path.parent)
         bos_id = _id_of(vocab, cfg["bos_token"])
@@ -473,7 +457,7 @@ class Tokenizer:
         return cls(kind="hf", tokens=tokens, pieces=pieces, special_ids=special_ids,
                    bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos, strip_space=strip, hf=hf,
                    chat_template=cfg["chat_template"],
-                   bos_token=cfg["bos_token"] if bos_id is not None else None,
+                   bos_token=cfg["bos_token"] or (tokens[bos_id] if bos_id is not None else None),
                    eos_token=cfg["eos_token"] or (tokens[eos_id] if eos_id is not None else None),
                    source=path)
 
@@ -484,6 +468,7 @@ class Tokenizer:
         `tokenizer_config.json` next to them adds special tokens, BOS/EOS and
         the chat template. `backend`: "auto" (HF tokenizers if installed),
         "hf" or "python"; both give the same ids."""
+        _check_backend(backend)
         encoder_json, vocab_bpe = Path(encoder_json), Path(vocab_bpe)
         vocab = _read_json(encoder_json, "vocabulary JSON")
         _expect(isinstance(vocab, dict) and vocab, encoder_json,
@@ -527,6 +512,7 @@ class Tokenizer:
     def from_gguf(cls, path, backend="auto"):
         """The tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
         `backend` (BPE vocabularies only): "auto", "hf" or "python"."""
+        _check_backend(backend)
         path = Path(path)
         meta = read_gguf_metadata(path)
 
@@ -820,9 +806,12 @@ def _parse_merges(text, path):
     return merges
 
 
-def _make_bpe(vocab, merges, pre, backend):
+def _check_backend(backend):
     if backend not in ("auto", "hf", "python"):
         raise ValueError(f"backend must be 'auto', 'hf' or 'python', got {backend!r}")
+
+
+def _make_bpe(vocab, merges, pre, backend):
     if backend == "hf" or (backend == "auto" and _tok_deps.have_tokenizers()):
         if backend == "hf":
             _tok_deps.need_tokenizers()
