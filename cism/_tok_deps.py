@@ -24,14 +24,6 @@ def need_tokenizers():
     return tokenizers
 
 
-def have_tokenizers():
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def need_jinja2():
     try:
         import jinja2

@@ -11,8 +11,33 @@ pairs by the concatenation of their vocabulary strings.
 """
 import heapq
 import math
+import re
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
+
+# Both algorithms merge over the whole text at once: SentencePiece has no
+# pre-tokenizer. A merge only ever produces a vocabulary token, so where no
+# token spans a position, nothing merges across it, and since ties are broken
+# by position the merges on either side happen in the same relative order.
+# Cutting the text before each space that follows a non-space is therefore
+# exact whenever no token holds a non-space followed by a space (true of the
+# Llama and TinyStories vocabularies, checked at load time). Then words can be
+# cached: 1 MB of text takes ~1 s instead of ~15 s.
+_SPM_WORDS = re.compile("\u2581*[^\u2581]+|\u2581+")
+_SPM_SPANS = re.compile("[^\u2581]\u2581")
+_L2C_WORDS = re.compile(rb" *[^ ]+| +")
+_L2C_SPANS = re.compile(rb"[^ ] ")
+_CACHE_LIMIT = 1 << 16
+
+
+def _cached(cache, key, fn):
+    got = cache.get(key)
+    if got is None:
+        got = fn(key)
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = got
+    return got
 
 
 class LlamaSPM:
@@ -24,6 +49,8 @@ class LlamaSPM:
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.scores = scores
         self.byte_ids = [self._byte_token(b, unk_id) for b in range(256)]
+        self.split_words = not any(_SPM_SPANS.search(t) for t in tokens)
+        self.cache = {}
 
     def _byte_token(self, b, unk_id):
         # llama.cpp byte_to_token: "<0xXX>", else the single character, else
@@ -35,6 +62,14 @@ class LlamaSPM:
 
     def encode(self, text):
         text = text.replace(" ", SPACE_MARK)
+        if not self.split_words:
+            return self._encode(text)
+        ids = []
+        for m in _SPM_WORDS.finditer(text):
+            ids.extend(_cached(self.cache, m.group(), self._encode))
+        return ids
+
+    def _encode(self, text):
         n = len(text)
         if n == 0:
             return []
@@ -100,13 +135,29 @@ class Llama2cSPM:
         self.pieces = pieces
         self.scores = scores
         self.space_id = self.lookup.get(b" ")
+        self.split_words = not any(_L2C_SPANS.search(p) for p in pieces)
+        self.cache = {}
 
     def encode(self, data):
         """`data`: UTF-8 bytes of the text."""
+        if not data:
+            return []
+        if self.space_id is None:
+            # run.c would emit id -1 for the missing " "; we leave it out.
+            return self._encode(data)
+        # The dummy prefix is the " " token, exactly what a leading space
+        # byte would become, so encode " " + text.
+        data = b" " + data
+        if not self.split_words:
+            return self._encode(data)
+        ids = []
+        for m in _L2C_WORDS.finditer(data):
+            ids.extend(_cached(self.cache, m.group(), self._encode))
+        return ids
+
+    def _encode(self, data):
         lookup, pieces, scores = self.lookup, self.pieces, self.scores
         ids = []
-        if data and self.space_id is not None:
-            ids.append(self.space_id)
         i = 0
         n = len(data)
         while i < n:

@@ -332,6 +332,34 @@ def test_python_and_hf_bpe_agree(gpt2_gguf_py, gpt2_gguf_hf, text):
     assert gpt2_gguf_py.encode(text) == gpt2_gguf_hf.encode(text)
 
 
+# SentencePiece encoders cut the text into words before the first space of
+# each space run and cache the words; this must not change a single id.
+@pytest.fixture(scope="module")
+def unsplit_spm(tok_dir, stories_dir):
+    spm = Tokenizer.from_gguf(tok_dir / "gguf-vocab" / "ggml-vocab-llama-spm.gguf")
+    l2c = Tokenizer.from_llama2c(stories_dir / "tok512.bin")
+    for tok in (spm, l2c):
+        assert tok._encoder.split_words
+        tok._encoder.split_words = False
+    return spm, l2c
+
+
+def test_spm_word_split_is_exact(unsplit_spm, llama_spm, stories, corpus_slices):
+    spm, l2c = unsplit_spm
+    for text in corpus_slices[::3]:
+        assert llama_spm.encode(text) == spm.encode(text)
+        assert stories.encode(text) == l2c.encode(text)
+
+    @SETTINGS
+    @given(st.lists(st.sampled_from(["a", "b", "ab", " ", "  ", "\n", "the", "é", "🦙", "▁", "3"]),
+                    max_size=30).map("".join))
+    def check(text):
+        assert llama_spm.encode(text) == spm.encode(text)
+        assert stories.encode(text) == l2c.encode(text)
+
+    check()
+
+
 # ---------------------------------------------------------------------------
 # streaming
 # ---------------------------------------------------------------------------
@@ -935,3 +963,48 @@ def test_malformed_gguf(tmp_path, tok_dir):
 def test_bad_backend(tok_dir):
     with pytest.raises(ValueError, match="backend"):
         Tokenizer.from_gguf(tok_dir / "gguf-vocab" / "ggml-vocab-gpt-2.gguf", backend="rust")
+
+
+def test_optional_dependencies(monkeypatch, tok_dir, stories_dir):
+    """SentencePiece GGUF and llama2.c need no optional package; the others
+    fail with an ImportError that names the extra to install."""
+    from cism import _tok_deps
+
+    for name in ("regex", "tokenizers", "jinja2", "gguf"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)
+    assert Tokenizer.from_llama2c(stories_dir / "tok512.bin").encode("Once")[:2] == [1, 403]
+    spm = Tokenizer.from_gguf(tok_dir / "gguf-vocab" / "ggml-vocab-llama-spm.gguf")
+    assert spm.decode(spm.encode("Hello world")) == "<s> Hello world"
+    hint = r'pip install "cism\[text\]"'
+    with pytest.raises(ImportError, match=hint):
+        Tokenizer.from_gguf(tok_dir / "gguf-vocab" / "ggml-vocab-gpt-2.gguf")
+    with pytest.raises(ImportError, match=hint):
+        Tokenizer.from_file(tok_dir / "qwen3" / "tokenizer.json")
+    with pytest.raises(ImportError, match=hint):
+        _tok_deps.need_jinja2()
+
+
+def test_gguf_special_token_kinds(tmp_path):
+    """Control tokens are cut out of text only with parse_special, user-defined
+    ones always; longer special tokens win (llama.cpp's partition order)."""
+    gguf = pytest.importorskip("gguf")
+    tokens = ["a", "b", "ab", "<c>", "<u>", "<c><u>", "Ġ"]
+    types = [1, 1, 1, 3, 4, 3, 1]
+    p = tmp_path / "specials.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(p)
+    assert tok.encode("ab<c><u>a<u>") == [2, 5, 0, 4]
+    assert tok.encode("ab<u>a", parse_special=False) == [2, 4, 0]
+    assert 3 not in tok.encode("<c>", parse_special=False)
+    assert tok.decode([2, 5, 0, 4], skip_special=True) == "aba<u>"
+    assert tok.decode([2, 5, 0, 4]) == "ab<c><u>a<u>"
+    assert tok.eos_ids == (3,)
