@@ -48,7 +48,8 @@ class _Cursor:
         self.path = path
 
     def fail(self, what):
-        raise ValueError(f"{self.path}: malformed GGUF file: {what} (at byte {self.base + self.pos})")
+        where = self.base + self.pos
+        raise ValueError(f"{self.path}: malformed GGUF file: {what} (at byte {where})")
 
     def take(self, n, what):
         end = self.pos + n

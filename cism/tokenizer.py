@@ -73,7 +73,10 @@ def _read_text(path, what):
 
 
 def _read_json(path, what):
-    text = _read_text(path, what)
+    return _parse_json(_read_text(path, what), path, what)
+
+
+def _parse_json(text, path, what):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -408,13 +411,7 @@ class Tokenizer:
         tokenizers = _tok_deps.need_tokenizers()
         path = Path(path)
         raw = _read_text(path, "tokenizer.json")
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON in tokenizer.json: {e.msg} "
-                             f"(line {e.lineno}, column {e.colno})") from None
-        except RecursionError:
-            raise ValueError(f"{path}: invalid JSON in tokenizer.json: nested too deeply") from None
+        data = _parse_json(raw, path, "tokenizer.json")
         _check_tokenizer_json(data, path)
         try:
             hf = tokenizers.Tokenizer.from_str(raw)
@@ -527,21 +524,20 @@ class Tokenizer:
                     path, f"GGUF {key} has the wrong type ({type(v).__name__})")
             return v
 
-        def get_list(key, elem, n=None, required=False):
+        def get_list(key, elem, label, n=None, required=False):
             v = get(key, (list,), None, required)
             if v is None:
                 return None
-            _expect(all(isinstance(x, elem) for x in v), path,
-                    f"GGUF {key} must be a list of {elem.__name__ if isinstance(elem, type) else 'numbers'}")
+            _expect(all(isinstance(x, elem) for x in v), path, f"GGUF {key} must be a list of {label}")
             _expect(n is None or len(v) == n, path,
                     f"GGUF {key} has {len(v)} entries, tokenizer.ggml.tokens has {n}")
             return v
 
         model = get("tokenizer.ggml.model", (str,), required=True)
-        tokens = get_list("tokenizer.ggml.tokens", str, required=True)
+        tokens = get_list("tokenizer.ggml.tokens", str, "strings", required=True)
         n = len(tokens)
         _expect(n > 0, path, "GGUF tokenizer.ggml.tokens is empty")
-        types = get_list("tokenizer.ggml.token_type", int, n) or [_TT_NORMAL] * n
+        types = get_list("tokenizer.ggml.token_type", int, "integers", n) or [_TT_NORMAL] * n
         # llama.cpp renames empty tokens so they can be looked up
         tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
 
@@ -552,17 +548,19 @@ class Tokenizer:
             return v
 
         if model == "gpt2":
-            merges_raw = get_list("tokenizer.ggml.merges", str, required=True)
+            merges_raw = get_list("tokenizer.ggml.merges", str, "strings", required=True)
             merges = []
             for k, m in enumerate(merges_raw):
                 # llama.cpp splits at the first space after the first character
                 pos = m.find(" ", 1)
-                _expect(pos > 0, path, f"GGUF tokenizer.ggml.merges[{k}] = {m!r} is not 'left right'")
+                _expect(pos > 0, path,
+                        f"GGUF tokenizer.ggml.merges[{k}] = {m!r} is not 'left right'")
                 merges.append((m[:pos], m[pos + 1:]))
             pre_name = get("tokenizer.ggml.pre", (str,), "default")
             pre = PRE_TOKENIZERS.get(pre_name)
+            known = ", ".join(sorted(PRE_TOKENIZERS))
             _expect(pre is not None, path,
-                    f"unsupported tokenizer.ggml.pre {pre_name!r} (known: {', '.join(sorted(PRE_TOKENIZERS))})")
+                    f"unsupported tokenizer.ggml.pre {pre_name!r} (known: {known})")
             vocab = {t: i for i, t in enumerate(tokens)}
             encoder = _make_bpe(vocab, merges, pre, backend, path)
             kind, strip, add_bos_default = "bpe", False, pre.add_bos
@@ -570,10 +568,10 @@ class Tokenizer:
                       else byte_decode(t) for t, ty in zip(tokens, types)]
             bos_default = eos_default = None
         elif model == "llama":
-            scores = get_list("tokenizer.ggml.scores", (int, float), n) or [0.0] * n
+            scores = get_list("tokenizer.ggml.scores", (int, float), "numbers", n) or [0.0] * n
             if "tokenizer.ggml.token_type" not in meta:
                 types = [_TT_BYTE if _BYTE_TOKEN.fullmatch(t) else _TT_NORMAL for t in tokens]
-            unk_id = token_id("tokenizer.ggml.unknown_token_id", 0 if n > 0 else None)
+            unk_id = token_id("tokenizer.ggml.unknown_token_id", 0)
             encoder = LlamaSPM(tokens, [float(s) for s in scores], unk_id)
             kind, add_bos_default = "spm", True
             strip = get("tokenizer.ggml.add_space_prefix", (bool,), True)
@@ -630,7 +628,8 @@ class Tokenizer:
             _expect(0 <= length <= max_len, path,
                     f"corrupt llama2.c tokenizer: token {i} has length {length} "
                     f"(max_token_length is {max_len})")
-            _expect(off + length <= len(data), path, f"truncated llama2.c tokenizer inside token {i}")
+            _expect(off + length <= len(data), path,
+                    f"truncated llama2.c tokenizer inside token {i}")
             pieces.append(data[off:off + length])
             scores.append(score)
             off += length
@@ -770,7 +769,8 @@ def _check_tokenizer_json(data, path):
     mtype = model.get("type", "BPE" if "merges" in model else None)
     if mtype == "BPE":
         vocab = model.get("vocab")
-        _expect(isinstance(vocab, dict), path, "'model.vocab' must be an object mapping token -> id")
+        _expect(isinstance(vocab, dict), path,
+                "'model.vocab' must be an object mapping token -> id")
         bad = next((t for t, i in vocab.items() if type(i) is not int or i < 0), None)
         _expect(bad is None, path, f"'model.vocab' entry {bad!r} has id {vocab.get(bad)!r}; "
                                    "ids must be non-negative integers")
@@ -789,7 +789,8 @@ def _check_tokenizer_json(data, path):
     for k, a in enumerate(added):
         _expect(isinstance(a, dict) and isinstance(a.get("id"), int)
                 and isinstance(a.get("content"), str), path,
-                f"'added_tokens'[{k}] must be an object with an integer 'id' and a string 'content'")
+                f"'added_tokens'[{k}] must be an object with an integer 'id' "
+                "and a string 'content'")
 
 
 def _parse_merges(text, path):

@@ -455,8 +455,9 @@ def _spm_tokenizer_json(llama_spm, decoder):
     tokens = [llama_spm.id_to_token(i) for i in range(llama_spm.vocab_size)]
     return {
         "version": "1.0",
-        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": True} for i in (0, 1, 2)],
+        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False,
+                          "lstrip": False, "rstrip": False, "normalized": False,
+                          "special": True} for i in (0, 1, 2)],
         "normalizer": None, "pre_tokenizer": None, "post_processor": None,
         "decoder": decoder,
         "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(tokens)},
