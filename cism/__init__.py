@@ -7,6 +7,7 @@
 """
 from cism import _kernels
 from cism.paging import OutOfBlocks  # noqa: F401
+from cism.tokenizer import Tokenizer  # noqa: F401
 
 __version__ = "0.1.0"
 
