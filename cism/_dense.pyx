@@ -406,6 +406,11 @@ cdef class DenseModel:
         (teacher forcing, positions from zero), in one pass."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
 
+    def logits_all(self, tokens):
+        """Logits after every prefix of tokens, float32 (T, vocab): row i is
+        the distribution for token i+1 (for perplexity and KL evaluations)."""
+        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
+
     # ---- paged KV and batches ----
 
     def _paged_state(self):
@@ -1212,6 +1217,19 @@ cdef class Session:
                     start += T
             self.finish_call(rc)
             return total / (n - 1)
+
+    def _all_logits(self):
+        cdef size_t n = self.s.prompt_len
+        cdef int rc
+        out = np.empty((n, self.m.vocab), np.float32)
+        cdef float *rows = <float*>cnp.PyArray_DATA(out)
+        with self.lock:
+            with nogil:
+                rc = kv_alloc(&self.s.kv, self.m, self.s.capacity)
+                if rc == OK:
+                    rc = seq_run(self.m, &self.w, &self.s, self.s.prompt, n, rows, &self.cancelled)
+            self.finish_call(rc)
+        return out
 
     def draft(self, k):
         """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
