@@ -206,7 +206,7 @@ cdef class DenseModel:
         self.set_act_precision(act_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = Matrix(arrays[name], storage, threads=self.c.threads)
+        cdef Matrix m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
         self.keep.append(m)
         self.matrices[name] = m
         self.weight_bytes_ += m.nbytes

@@ -201,14 +201,16 @@ cdef class Matrix:
     """A packed weight matrix.
 
     ``Matrix(values, storage)`` packs a C-contiguous float32 ``(rows, cols)``
-    array as ``fp32``, ``fp16``, ``int8``, ``int4`` or ``fp4``.
+    array as ``fp32``, ``fp16``, ``int8``, ``int4`` or ``fp4``. Values must be
+    finite (``check_finite=False`` skips the check for callers that have
+    already made it).
     """
 
     def __cinit__(self):
         self.codes_buf = NULL
         self.scales_buf = NULL
 
-    def __init__(self, values, storage="fp32", threads=None):
+    def __init__(self, values, storage="fp32", threads=None, *, check_finite=True):
         cdef int s = _storage_index(storage)
         cdef int nt = resolve_threads(threads)
         if not isinstance(values, np.ndarray):
@@ -226,7 +228,7 @@ cdef class Matrix:
             raise ValueError(f"cols must be in [1, {MAX_COLS}], got {cols}")
         if rows * cols * 4 > MAX_SOURCE_BYTES:
             raise ValueError("matrix exceeds the 64 GiB weight safety limit")
-        if not np.isfinite(values).all():
+        if check_finite and not np.isfinite(values).all():
             bad = np.argwhere(~np.isfinite(values))[0]
             raise ValueError(f"values must be finite; found {values[tuple(bad)]} at {tuple(bad)}")
         self.storage_name = STORAGES[s]
