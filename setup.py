@@ -114,6 +114,7 @@ EXTENSIONS = [
     extension("cism._kernels", ["cism/_kernels.pyx"]),
     extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"]),
     extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
+    extension("cism._common", ["cism/_common.pyx"]),
     extension("cism.paging", ["cism/paging.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
 ]

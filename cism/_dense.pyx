@@ -22,7 +22,11 @@ from posix.mman cimport mlock, munlock
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, rng_seed, argmax, sample_token,
-                            sampler_free, draft_tokens, check_sampling)
+                            sampler_free, draft_tokens)
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
+                           logits_copy, params_eos, cism_flag_get, cism_flag_set)
+from cism._common import FINISH_NAMES
 
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
@@ -30,10 +34,6 @@ from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
 cnp.import_array()
-
-cdef extern from "flag.h" nogil:
-    int cism_flag_get(const int *p)
-    void cism_flag_set(int *p, int v)
 
 cdef extern from "memscan.h" nogil:
     uint64_t cism_touch(const void *p, size_t n)
@@ -50,18 +50,6 @@ DEF PREFILL_CHUNK = 256
 # computed with the same formula on the fly.
 DEF ROPE_TABLE_MAX = 32768
 
-# Return codes of the nogil layer.
-DEF OK = 0
-DEF CANCELLED = 1
-DEF NOMEM = -1
-DEF NONFINITE = -2
-
-# finish reasons
-DEF RUNNING = 0
-DEF STOP = 1
-DEF LENGTH = 2
-DEF CANCEL = 3
-FINISH_NAMES = ("", "stop", "length", "cancelled")
 
 
 # ----------------------------------------------------------------- model ---
@@ -790,42 +778,6 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
 
 # --------------------------------------------------------------- sessions ---
 
-cdef object as_tokens(value, size_t vocab, what="prompt", bint allow_empty=False):
-    """A 1-D int64 array of token ids, each inside the vocabulary."""
-    if isinstance(value, (str, bytes)):
-        raise ValueError(f"{what} must be a sequence of token ids, not text (use a Tokenizer)")
-    try:
-        a = np.asarray(value)
-    except Exception:
-        raise ValueError(f"{what} must be a sequence of integer token ids") from None
-    if a.size == 0:
-        if not allow_empty:
-            raise ValueError(f"{what} must contain at least one token")
-        return np.zeros(0, np.int64)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be a 1-D sequence of integer token ids")
-    a = a.astype(np.int64)
-    bad = (a < 0) | (a >= <int64_t>vocab)
-    if bad.any():
-        raise ValueError(f"token ID is outside the vocabulary: {int(a[np.argmax(bad)])} "
-                         f"in {what} (vocab_size={vocab})")
-    return np.ascontiguousarray(a)
-
-
-cdef object check_count(value, name):
-    if not is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a nonnegative integer, got {value!r}")
-    return int(value)
-
-
-cdef struct Params:
-    # sampling shared by the sequences of a session
-    double temperature, top_p
-    size_t top_k
-    int64_t *eos
-    size_t n_eos
-
-
 cdef struct Seq:
     # one sequence's generation state
     int64_t *prompt            # tokens not yet run (prefilled on first use)
@@ -890,14 +842,6 @@ cdef void kv_free(KV *kv) noexcept nogil:
     kv.values = NULL
 
 
-cdef inline bint params_eos(const Params *p, int64_t token) noexcept nogil:
-    cdef size_t i
-    for i in range(p.n_eos):
-        if p.eos[i] == token:
-            return True
-    return False
-
-
 cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept nogil:
     """Count an emitted token: eos -> stop, budget reached -> length."""
     s.generated += 1
@@ -942,19 +886,6 @@ cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t
     return OK
 
 
-cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos):
-    p.temperature, p.top_p, p.top_k = check_sampling(temperature, top_p, top_k, vocab)
-    if isinstance(eos, (int, np.integer)):
-        eos = [eos]
-    e = as_tokens(eos if isinstance(eos, np.ndarray) else list(eos), vocab, "eos", True)
-    p.n_eos = len(e)
-    p.eos = <int64_t*>malloc((len(e) + 1) * sizeof(int64_t))
-    if p.eos == NULL:
-        raise MemoryError
-    if len(e):
-        memcpy(p.eos, cnp.PyArray_DATA(e), len(e) * sizeof(int64_t))
-
-
 cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, size_t sequences=1):
     capacity = prompt_len + max_new
     if capacity > m.context:
@@ -963,19 +894,6 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, s
     kv_bytes = 2 * 4 * m.layers * capacity * m.kv_width * sequences
     if kv_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({kv_bytes} bytes)")
-
-
-cdef object raise_for(int rc, what="inference"):
-    if rc == NOMEM:
-        raise MemoryError(f"out of memory during {what}; the session is cancelled")
-    if rc == NONFINITE:
-        raise RuntimeError(f"non-finite logits during {what}; the session is cancelled")
-
-
-cdef object _logits_copy(const float *p, size_t n):
-    out = np.empty(n, np.float32)
-    memcpy(cnp.PyArray_DATA(out), p, n * sizeof(float))
-    return out
 
 
 cdef class Session:
@@ -1155,11 +1073,7 @@ cdef class Session:
         """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
         speculation (greedy only); the tokens are identical either way."""
         count = check_count(count, "count")
-        if not is_int(spec_k) or (spec_k != 0 and not 2 <= spec_k <= MAX_K):
-            raise ValueError(f"spec_k must be 0 (off) or in [2, {MAX_K}], got {spec_k!r}")
-        if spec_k and self.p.temperature != 0:
-            raise ValueError("spec_k > 0 needs greedy decoding (temperature 0)")
-        cdef size_t produced = 0, wanted, k = spec_k
+        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, self.p.temperature)
         cdef int rc
         cdef int64_t *buf
         with self.lock:
@@ -1303,7 +1217,7 @@ cdef class Session:
         None before the prompt has run."""
         if not self.s.have_logits:
             return None
-        return _logits_copy(self.s.logits, self.m.vocab)
+        return logits_copy(self.s.logits, self.m.vocab)
 
 
 # ----------------------------------------------------------- paged KV ---
@@ -1622,13 +1536,13 @@ cdef class PagedSession:
     def last_logits(self):
         if not self.s.have_logits:
             return None
-        return _logits_copy(self.s.logits, self.m.vocab)
+        return logits_copy(self.s.logits, self.m.vocab)
 
     def _source_view(self):
         """(history, logits or None) read under this session's lock (forks)."""
         with self.lock:
             hist = np.array([self.s.history[i] for i in range(self.s.hist_len)], np.int64)
-            logits = _logits_copy(self.s.logits, self.m.vocab) if self.s.have_logits else None
+            logits = logits_copy(self.s.logits, self.m.vocab) if self.s.have_logits else None
             return hist, logits
 
 
@@ -1918,4 +1832,4 @@ cdef class BatchSession:
             raise ValueError(f"batch index is out of range: {index!r} (batch size {self.B})")
         if not self.seqs[index].have_logits:
             return None
-        return _logits_copy(self.seqs[index].logits, self.m.vocab)
+        return logits_copy(self.seqs[index].logits, self.m.vocab)
