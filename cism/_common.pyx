@@ -8,7 +8,7 @@ from libc.stdlib cimport malloc
 from libc.string cimport memcpy
 
 from cism._config import is_int
-from cism.sampling cimport check_sampling
+from cism.sampling cimport check_knobs, check_sampling
 
 cnp.import_array()
 
@@ -44,17 +44,22 @@ cdef object check_count(value, name):
     return int(value)
 
 
-cdef object check_spec_k(spec_k, double temperature):
+cdef object check_spec_k(spec_k, const Params *p):
     if not is_int(spec_k) or (spec_k != 0 and not 2 <= spec_k <= MAX_SPEC_K):
         raise ValueError(f"spec_k must be 0 (off) or in [2, {MAX_SPEC_K}], got {spec_k!r}")
-    if spec_k and temperature != 0:
+    if spec_k and p.temperature != 0:
         raise ValueError("spec_k > 0 needs greedy decoding (temperature 0)")
+    if spec_k and p.repetition_penalty != 1:
+        raise ValueError("spec_k > 0 cannot be combined with repetition_penalty "
+                         "(verification compares raw argmaxes)")
     return int(spec_k)
 
 
-cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos):
+cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos,
+                         min_p=0.0, repetition_penalty=1.0):
     """Validate sampling settings and eos ids into p (p.eos is malloc'd: free it)."""
     p.temperature, p.top_p, p.top_k = check_sampling(temperature, top_p, top_k, vocab)
+    p.min_p, p.repetition_penalty = check_knobs(min_p, repetition_penalty)
     if isinstance(eos, (int, np.integer)):
         eos = [eos]
     e = as_tokens(eos if isinstance(eos, np.ndarray) else list(eos), vocab, "eos", True)

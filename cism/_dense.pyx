@@ -21,11 +21,11 @@ from posix.mman cimport mlock, munlock
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
-from cism.sampling cimport (cism_mt64, cism_sampler, rng_seed, argmax, sample_token,
+from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
@@ -380,8 +380,11 @@ cdef class DenseModel:
     # ---- sessions and one-shot evaluation ----
 
     def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                       seed=0, eos=()):
-        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos)
+                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        """A generation with its own KV cache. min_p and repetition_penalty are
+        extensions (off by default, leaving the spec's sampler bit-exact)."""
+        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                       min_p=min_p, repetition_penalty=repetition_penalty)
 
     def logits(self, prompt):
         """Next-token logits after the prompt, float32 (vocab,)."""
@@ -409,11 +412,13 @@ cdef class DenseModel:
             return self.paged_state
 
     def create_paged_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                             seed=0, eos=(), priority=0):
-        return PagedSession(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos, priority)
+                             seed=0, eos=(), priority=0, *, min_p=0.0, repetition_penalty=1.0):
+        return PagedSession(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                            priority, min_p=min_p, repetition_penalty=repetition_penalty)
 
     def create_paged_fork_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                                  seed=0, eos=(), src=None, prefix_len=0, priority=0):
+                                  seed=0, eos=(), src=None, prefix_len=0, priority=0, *, min_p=0.0,
+                                  repetition_penalty=1.0):
         """A paged session whose first prefix_len tokens share src's cached
         blocks (copy on write). Its prompt must start with exactly those tokens
         of src's history; only the rest is prefilled."""
@@ -447,12 +452,12 @@ cdef class DenseModel:
                 "suffix": np.ascontiguousarray(p[prefix_len:]),
                 "src_req": (<PagedSession>src).req_id, "seed_logits": logits}
         return PagedSession(self, None, max_new_tokens, temperature, top_p, top_k, seed, eos,
-                            priority, _fork=fork)
+                            priority, _fork=fork, min_p=min_p, repetition_penalty=repetition_penalty)
 
     def create_batch_session(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                             seed=0, eos=(), seq_seeds=None):
+                             seed=0, eos=(), seq_seeds=None, *, min_p=0.0, repetition_penalty=1.0):
         return BatchSession(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, eos,
-                            seq_seeds)
+                            seq_seeds, min_p=min_p, repetition_penalty=repetition_penalty)
 
     def paged_logits(self, prompt):
         """Next-token logits after the prompt, computed through the paged pool."""
@@ -920,12 +925,12 @@ cdef class Session:
         self.block_logits = NULL
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=()):
+                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
         self.model = model
         self.m = &model.c
         p = as_tokens(prompt, model.c.vocab)
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
         seed = check_seed(seed)
         check_capacity(self.m, len(p), max_new)
         if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), max_new,
@@ -942,7 +947,7 @@ cdef class Session:
 
     # ---- nogil core ----
 
-    cdef int prefill(self) noexcept nogil:
+    cdef int run_prompt(self) noexcept nogil:
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
@@ -1004,11 +1009,13 @@ cdef class Session:
         cdef size_t n = 0, i
         cdef int64_t tok
         cdef int rc = OK
+        cdef cism_knobs k
         if ncand >= 1:
             rc = self.verify_block(ncand, &n)
         else:
-            tok = sample_token(self.s.logits, self.m.vocab, self.p.temperature, self.p.top_p,
-                               self.p.top_k, &self.s.rng, &self.s.sampler)
+            k = knobs_of(&self.p)
+            tok = choose_token(self.s.logits, self.m.vocab, &k, self.s.history, self.s.hist_len,
+                               &self.s.rng, &self.s.sampler)
             if tok < 0:
                 return NOMEM
             self.emitted[0] = tok
@@ -1039,7 +1046,7 @@ cdef class Session:
             return OK
         if cism_flag_get(&self.cancelled):
             return CANCELLED
-        rc = self.prefill()
+        rc = self.run_prompt()
         if rc != OK:
             return rc
         while produced[0] < wanted:
@@ -1073,7 +1080,7 @@ cdef class Session:
         """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
         speculation (greedy only); the tokens are identical either way."""
         count = check_count(count, "count")
-        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, self.p.temperature)
+        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
         cdef int rc
         cdef int64_t *buf
         with self.lock:
@@ -1086,12 +1093,16 @@ cdef class Session:
             self.finish_call(rc)
             return result
 
-    def _prefill_now(self):
+    def prefill(self):
+        """Run the prompt now (next_tokens does it on first use); afterwards
+        last_logits holds the first token's distribution."""
         cdef int rc
         with self.lock:
             with nogil:
-                rc = self.prefill()
+                rc = self.run_prompt()
             self.finish_call(rc)
+
+    _prefill_now = prefill
 
     def _nll(self):
         """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
@@ -1157,8 +1168,8 @@ cdef class Session:
         """Verify explicit draft tokens greedily and return the tokens emitted
         (the accepted prefix plus the correction or bonus token), leaving the
         session exactly as next_tokens would."""
-        if self.p.temperature != 0:
-            raise ValueError("verify needs greedy decoding (temperature 0)")
+        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
+            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
         c = as_tokens(candidates, self.m.vocab, "candidates", True)
         if len(c) > MAX_K:
             raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
@@ -1172,7 +1183,7 @@ cdef class Session:
             for i in range(n):
                 self.cands[i] = c[i]
             with nogil:
-                rc = self.prefill()
+                rc = self.run_prompt()
                 if rc == OK:
                     rc = self.step(n, buf, &produced)
             result = out[:produced].tolist()
@@ -1285,7 +1296,8 @@ cdef class PagedSession:
         self.req_id = -1
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=(), priority=0, _fork=None):
+                 top_k=0, seed=0, eos=(), priority=0, _fork=None, *, min_p=0.0,
+                 repetition_penalty=1.0):
         self.model = model
         self.m = &model.c
         if _fork is None:
@@ -1294,7 +1306,7 @@ cdef class PagedSession:
         else:
             prefix, p = _fork["prefix"], _fork["suffix"]
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
         seed = check_seed(seed)
         if not is_int(priority) or not -2**31 <= priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
@@ -1438,6 +1450,7 @@ cdef class PagedSession:
         count = check_count(count, "count")
         cdef int rc = OK
         cdef int64_t tok
+        cdef cism_knobs k
         out = []
         with self.lock:
             if self.s.finish != RUNNING:
@@ -1452,9 +1465,10 @@ cdef class PagedSession:
                     if cism_flag_get(&self.cancelled):
                         rc = CANCELLED
                         break
+                    k = knobs_of(&self.p)
                     with nogil:
-                        tok = sample_token(self.s.logits, self.m.vocab, self.p.temperature,
-                                           self.p.top_p, self.p.top_k, &self.s.rng, &self.s.sampler)
+                        tok = choose_token(self.s.logits, self.m.vocab, &k, self.s.history,
+                                           self.s.hist_len, &self.s.rng, &self.s.sampler)
                     if tok < 0:
                         rc = NOMEM
                         break
@@ -1574,7 +1588,7 @@ cdef class BatchSession:
         memset(&self.w, 0, sizeof(Work))
 
     def __init__(self, DenseModel model, prompts, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=(), seq_seeds=None):
+                 top_k=0, seed=0, eos=(), seq_seeds=None, *, min_p=0.0, repetition_penalty=1.0):
         self.model = model
         self.m = &model.c
         vocab = model.c.vocab
@@ -1585,7 +1599,7 @@ cdef class BatchSession:
         if len(prompts) > 256:
             raise ValueError(f"batch size exceeds 256 sequences (got {len(prompts)})")
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, vocab, temperature, top_p, top_k, eos)
+        parse_params(&self.p, vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
         seed = check_seed(seed)
         if seq_seeds is not None:
             seq_seeds = [check_seed(x) for x in seq_seeds]
@@ -1721,6 +1735,7 @@ cdef class BatchSession:
         cdef int64_t tok
         cdef int rc
         cdef bint need
+        cdef cism_knobs k = knobs_of(&self.p)
         cdef size_t *wanted = <size_t*>calloc(self.B, sizeof(size_t))
         cdef int64_t *step_toks = <int64_t*>malloc(self.B * sizeof(int64_t))
         cdef int *step_seq = <int*>malloc(self.B * sizeof(int))
@@ -1750,8 +1765,8 @@ cdef class BatchSession:
             for i in range(self.B):
                 if self.seqs[i].finish != RUNNING or produced[i] >= wanted[i]:
                     continue
-                tok = sample_token(self.seqs[i].logits, self.m.vocab, self.p.temperature,
-                                   self.p.top_p, self.p.top_k, &self.seqs[i].rng, &self.seqs[i].sampler)
+                tok = choose_token(self.seqs[i].logits, self.m.vocab, &k, self.seqs[i].history,
+                                   self.seqs[i].hist_len, &self.seqs[i].rng, &self.seqs[i].sampler)
                 if tok < 0:
                     rc = NOMEM
                     break

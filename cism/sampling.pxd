@@ -9,15 +9,26 @@ cdef extern from "sample.h" nogil:
         uint64_t *keys
         uint64_t *tmp
         double *probs
-        size_t cap
+        float *work
+        size_t cap, work_cap
+    ctypedef struct cism_knobs:
+        double temperature, top_p
+        size_t top_k
+        double min_p
+        double repetition_penalty
 
 cdef void rng_seed(cism_mt64 *g, uint64_t seed) noexcept nogil
 cdef size_t argmax(const float *logits, size_t n) noexcept nogil
 # -1 when scratch memory cannot be allocated
 cdef int64_t sample_token(const float *logits, size_t vocab, double temperature, double top_p,
                           size_t top_k, cism_mt64 *rng, cism_sampler *s) noexcept nogil
+# with min_p / repetition_penalty (both off = sample_token exactly)
+cdef int64_t choose_token(const float *logits, size_t vocab, const cism_knobs *k,
+                          const int64_t *history, size_t n_history, cism_mt64 *rng,
+                          cism_sampler *s) noexcept nogil
 cdef void sampler_free(cism_sampler *s) noexcept nogil
 cdef size_t draft_tokens(const int64_t *history, size_t n, size_t k, int64_t *out) noexcept nogil
 
 # Shared argument checks (Python level), with the spec's messages.
 cpdef check_sampling(temperature, top_p, top_k, size_t vocab)
+cpdef check_knobs(min_p, repetition_penalty)

@@ -25,6 +25,8 @@ cdef extern from "sample.h" nogil:
     int64_t cism_sample(const float *logits, size_t vocab, double temperature, double top_p,
                         size_t top_k, cism_mt64 *rng, cism_sampler *s)
     size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out)
+    int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k,
+                        const int64_t *history, size_t n_history, cism_mt64 *rng, cism_sampler *s)
 
 
 cdef void rng_seed(cism_mt64 *g, uint64_t seed) noexcept nogil:
@@ -36,6 +38,11 @@ cdef size_t argmax(const float *logits, size_t n) noexcept nogil:
 cdef int64_t sample_token(const float *logits, size_t vocab, double temperature, double top_p,
                           size_t top_k, cism_mt64 *rng, cism_sampler *s) noexcept nogil:
     return cism_sample(logits, vocab, temperature, top_p, top_k, rng, s)
+
+cdef int64_t choose_token(const float *logits, size_t vocab, const cism_knobs *k,
+                          const int64_t *history, size_t n_history, cism_mt64 *rng,
+                          cism_sampler *s) noexcept nogil:
+    return cism_choose(logits, vocab, k, history, n_history, rng, s)
 
 cdef void sampler_free(cism_sampler *s) noexcept nogil:
     cism_sampler_free(s)
@@ -62,6 +69,20 @@ cpdef check_sampling(temperature, top_p, top_k, size_t vocab):
     if not _is_int(top_k) or top_k < 0 or top_k > vocab:
         raise ValueError(f"top_k must be in [0, vocab_size={vocab}], got {top_k!r}")
     return t, p, int(top_k)
+
+
+cpdef check_knobs(min_p, repetition_penalty):
+    """Validate the optional knobs; returns (min_p, repetition_penalty)."""
+    try:
+        m = float(min_p)
+        r = float(repetition_penalty)
+    except (TypeError, ValueError):
+        raise ValueError("min_p and repetition_penalty must be numbers") from None
+    if not math.isfinite(m) or not 0 <= m <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+    if not math.isfinite(r) or r <= 0:
+        raise ValueError(f"repetition_penalty must be finite and positive, got {repetition_penalty!r}")
+    return m, r
 
 
 def check_seed(seed):

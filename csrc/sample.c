@@ -43,6 +43,7 @@ void cism_sampler_free(cism_sampler *s) {
     free(s->keys);
     free(s->tmp);
     free(s->probs);
+    free(s->work);
     memset(s, 0, sizeof *s);
 }
 
@@ -163,6 +164,42 @@ int64_t cism_sample(const float *logits, size_t vocab, double temperature, doubl
         target -= prob[i];
     }
     return (int64_t)(order[nucleus - 1] & index_mask);
+}
+
+int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k, const int64_t *history,
+                    size_t n_history, cism_mt64 *rng, cism_sampler *s) {
+    const int penalise = k->repetition_penalty != 1.0;
+    const int cut = k->min_p > 0.0 && k->temperature > 0.0;
+    if (!penalise && !cut)
+        return cism_sample(logits, vocab, k->temperature, k->top_p, k->top_k, rng, s);
+    const float *z = logits;
+    if (penalise) {
+        if (s->work_cap < vocab) {
+            float *w = realloc(s->work, vocab * sizeof *w);
+            if (!w) return -1;
+            s->work = w;
+            s->work_cap = vocab;
+        }
+        memcpy(s->work, logits, vocab * sizeof(float));
+        /* computed from the original logit, so repeats in history do not compound */
+        const float rp = (float)k->repetition_penalty;
+        for (size_t i = 0; i < n_history; i++) {
+            const int64_t t = history[i];
+            if (t < 0 || (size_t)t >= vocab) continue;
+            const float l = logits[t];
+            s->work[t] = l > 0.0f ? l / rp : l * rp;
+        }
+        z = s->work;
+    }
+    size_t top_k = k->top_k;
+    if (cut) {
+        const float m = z[cism_argmax(z, vocab)];
+        const double threshold = (double)m + k->temperature * log(k->min_p);
+        size_t keep = 0;
+        for (size_t i = 0; i < vocab; i++) keep += (double)z[i] >= threshold;
+        if (top_k == 0 || keep < top_k) top_k = keep;
+    }
+    return cism_sample(z, vocab, k->temperature, k->top_p, top_k, rng, s);
 }
 
 size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out) {

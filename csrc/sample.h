@@ -18,8 +18,18 @@ uint64_t cism_mt64_next(cism_mt64 *g);
 typedef struct {
     uint64_t *keys, *tmp;
     double *probs;
-    size_t cap;
+    float *work;     /* penalised logits (knobs path only) */
+    size_t cap, work_cap;
 } cism_sampler;
+
+/* The sampling settings of a session. min_p = 0 and repetition_penalty = 1
+ * leave the spec's sampler untouched (bit for bit). */
+typedef struct {
+    double temperature, top_p;
+    size_t top_k;
+    double min_p;               /* keep tokens with p >= min_p * p_max (0 = off) */
+    double repetition_penalty;  /* HF rule on tokens already seen (1 = off) */
+} cism_knobs;
 
 void cism_sampler_free(cism_sampler *s);
 
@@ -33,6 +43,14 @@ size_t cism_argmax(const float *logits, size_t n);
  * Returns the token, or -1 when scratch memory cannot be allocated. */
 int64_t cism_sample(const float *logits, size_t vocab, double temperature, double top_p,
                     size_t top_k, cism_mt64 *rng, cism_sampler *s);
+
+/* cism_sample with the extra knobs: the repetition penalty divides positive
+ * (multiplies negative) logits of every token in history; min_p keeps the
+ * tokens whose logit is at least max + temperature * log(min_p) (applied as a
+ * tighter top_k, so the order and arithmetic of the sampler stay the
+ * spec's). Returns the token or -1 (no memory). */
+int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k, const int64_t *history,
+                    size_t n_history, cism_mt64 *rng, cism_sampler *s);
 
 /* Prompt-lookup drafter (spec v4): for each draft position take the longest
  * trailing n-gram (n <= 3) of history + draft so far and emit the token that
