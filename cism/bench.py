@@ -37,6 +37,13 @@ def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", se
     return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
 
 
+def random_model(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
+    """A random-weight model of a known shape, whatever its family."""
+    if shape in SHAPES:
+        return random_dense(shape, precision, threads, act_precision, seed)
+    raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+
+
 def read_bandwidth(threads, repeats=5):
     """Bytes per second the machine reads with this many threads."""
     return _kernels.read_bandwidth(1 << 31, threads=threads, repeats=repeats)

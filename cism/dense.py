@@ -11,6 +11,7 @@ import numpy as np
 
 from cism import _config as C
 from cism._dense import BatchSession, DenseModel, PagedSession, Session  # noqa: F401
+from cism.generation import GenerationMixin
 
 MODEL_TYPES = ("llama", "qwen3")
 
@@ -140,8 +141,9 @@ def weight_shapes(config, has_head):
     return shapes
 
 
-class Model(DenseModel):
-    """A dense Llama/Qwen3 model (see DenseModel for the methods)."""
+class Model(GenerationMixin, DenseModel):
+    """A dense Llama/Qwen3 model: DenseModel's sessions and evaluation plus
+    text generation (generate/stream) with the checkpoint's tokenizer."""
 
     config_class = Config
 

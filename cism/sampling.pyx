@@ -98,15 +98,20 @@ def mt19937_64(seed, count):
     return [cism_mt64_next(&g) for _ in range(count)]
 
 
-def sample(logits, temperature=1.0, top_p=1.0, top_k=0, seed=0, draws=1):
+def sample(logits, temperature=1.0, top_p=1.0, top_k=0, seed=0, draws=1, *, min_p=0.0,
+           repetition_penalty=1.0, history=()):
     """Sample ``draws`` tokens from one logits vector with a fresh generator
-    (as a session seeded with ``seed`` would for its first tokens)."""
+    (as a session seeded with ``seed`` would for its first tokens).
+    ``history`` is what the repetition penalty looks at."""
     cdef cnp.ndarray l = np.ascontiguousarray(logits, dtype=np.float32)
     if l.ndim != 1 or l.shape[0] == 0:
         raise ValueError("logits must be a non-empty vector")
     if not np.isfinite(l).all():
         raise ValueError("logits must be finite")
-    t, p, k = check_sampling(temperature, top_p, top_k, l.shape[0])
+    cdef cism_knobs k
+    k.temperature, k.top_p, k.top_k = check_sampling(temperature, top_p, top_k, l.shape[0])
+    k.min_p, k.repetition_penalty = check_knobs(min_p, repetition_penalty)
+    cdef cnp.ndarray h = np.ascontiguousarray(np.asarray(history, dtype=np.int64).reshape(-1))
     cdef cism_mt64 g
     cdef cism_sampler s
     memset(&s, 0, sizeof(s))
@@ -114,7 +119,8 @@ def sample(logits, temperature=1.0, top_p=1.0, top_k=0, seed=0, draws=1):
     out = []
     try:
         for _ in range(draws):
-            tok = cism_sample(<const float*>cnp.PyArray_DATA(l), l.shape[0], t, p, k, &g, &s)
+            tok = cism_choose(<const float*>cnp.PyArray_DATA(l), l.shape[0], &k,
+                              <const int64_t*>cnp.PyArray_DATA(h), h.shape[0], &g, &s)
             if tok < 0:
                 raise MemoryError("cannot allocate sampler scratch")
             out.append(tok)

