@@ -1,0 +1,65 @@
+"""Batched decode: aggregate tokens/s for batch sizes 1..32 (one weight stream
+for every sequence), against batch 1 measured in the same run.
+
+    python bench/batch.py [--model PATH | --shape smollm2-135m] [--precision fp32 int8] [--json]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import cism
+from cism.bench import random_model
+from bench_common import default_model
+
+
+def rate(model, batch, tokens, repeats, seed=0):
+    rng = np.random.default_rng(seed)
+    rates = []
+    for i in range(repeats + 1):
+        prompts = [rng.integers(0, model.config.vocab, 16).tolist() for _ in range(batch)]
+        s = model.create_batch_session(prompts, tokens + 1)
+        s.next_tokens(1)  # prefill
+        t = time.perf_counter()
+        s.next_tokens(tokens)
+        if i:
+            rates.append(batch * tokens / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--shape")
+    ap.add_argument("--precision", nargs="+", default=["fp32", "int8"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    path = args.model or (None if args.shape else default_model())
+    rows = []
+    for precision in args.precision:
+        model = (cism.load(path, precision=precision, threads=args.threads) if path
+                 else random_model(args.shape or "smollm2-135m", precision, args.threads))
+        base = None
+        for b in args.batch:
+            r = rate(model, b, args.tokens, args.repeats)
+            base = base or r
+            rows.append({"precision": precision, "batch": b, "tok_s": r, "speedup_vs_batch1": r / base})
+    if args.json:
+        json.dump({"model": path or args.shape, "threads": args.threads, "results": rows}, sys.stdout)
+        print()
+        return
+    print(f"{path or args.shape}, {args.threads} threads")
+    print(f"{'precision':10} {'batch':>5} {'tok/s':>8} {'x batch 1':>9}")
+    for r in rows:
+        print(f"{r['precision']:10} {r['batch']:5d} {r['tok_s']:8.1f} {r['speedup_vs_batch1']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
