@@ -1,2 +1,135 @@
+/* AVX2 + FMA vector activations, 8 floats per step.
+ *
+ * Bit for bit the scalar reference (act_ref.c): every lane runs the same
+ * operations in the same order (fma where it calls fmaf, a plain mul/add
+ * where it writes * and +, round-to-nearest-even for rintf, one IEEE
+ * division), and its selects are spelt as compares and blends with the same
+ * NaN behaviour: _mm256_min_ps(a, c) is a < c ? a : c, _mm256_max_ps(a, c) is
+ * a > c ? a : c, and the ordered compares are false for NaN like C's < and >=.
+ * The last n % 8 elements go through a zero-padded stack buffer, so the tail
+ * runs the same vector code. y may alias the inputs: each step loads before
+ * it stores, and the tail copies its inputs out first.
+ */
 #include "../kernels.h"
-void cism_fill_act_avx2(cism_kernels *k) { (void)k; }
+
+#include <immintrin.h>
+#include <string.h>
+
+/* The constants of act_ref.c (tests compare the two levels bit for bit). */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447505531f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+
+#define W 8
+
+static inline __m256 neg8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+
+/* x < 0 ? -x : x (keeps -0 and the sign of NaN, as the reference does) */
+static inline __m256 abs8(__m256 x) {
+    const __m256 lt0 = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_blendv_ps(x, neg8(x), lt0);
+}
+
+static inline __m256 exp8(__m256 x) {
+    __m256 xc = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    xc = _mm256_max_ps(xc, _mm256_set1_ps(-88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 z = _mm256_mul_ps(r, r);
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, z, r), _mm256_set1_ps(1.0f));
+    /* n is an integer in [-127, 127], so truncation is exact */
+    const __m256i ni = _mm256_cvttps_epi32(n);
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+    const __m256 y = _mm256_mul_ps(p, scale);
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+    return _mm256_andnot_ps(under, y); /* +0 where x < EXP_LO */
+}
+
+static inline __m256 sigmoid8(__m256 x) {
+    const __m256 e = exp8(neg8(abs8(x)));
+    const __m256 ge0 = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 num = _mm256_blendv_ps(e, _mm256_set1_ps(1.0f), ge0);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+static inline __m256 gelu8(__m256 x) {
+    const __m256 ax = abs8(x);
+    const __m256 z = _mm256_mul_ps(ax, _mm256_set1_ps(0.707106781186547524f));
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                   _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+    __m256 p = _mm256_set1_ps(0.17087277f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.82215223f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.48851587f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.13520398f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.27886807f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.18628806f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.09678418f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.37409196f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.00002368f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.26551223f));
+    const __m256 e = exp8(_mm256_fmadd_ps(neg8(z), z, p));
+    const __m256 half_erfc = _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(t, e));
+    const __m256 ge0 = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 phi = _mm256_blendv_ps(half_erfc,
+                                        _mm256_sub_ps(_mm256_set1_ps(1.0f), half_erfc), ge0);
+    return _mm256_mul_ps(x, phi);
+}
+
+static inline __m256 silu8(__m256 x) { return _mm256_mul_ps(x, sigmoid8(x)); }
+
+/* One loop shape per arity: full vectors, then the tail through a zero-padded
+ * buffer (zeros are harmless inputs; only rem results are copied out). */
+#define UNARY(name, f)                                                     \
+    static void name(const float *x, float *y, size_t n) {                 \
+        size_t i = 0;                                                      \
+        for (; i + W <= n; i += W) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(x + i))); \
+        if (i < n) {                                                       \
+            float buf[W] = {0};                                            \
+            memcpy(buf, x + i, (n - i) * sizeof(float));                   \
+            _mm256_storeu_ps(buf, f(_mm256_loadu_ps(buf)));                \
+            memcpy(y + i, buf, (n - i) * sizeof(float));                   \
+        }                                                                  \
+    }
+
+#define BINARY(name, f)                                                    \
+    static void name(const float *a, const float *b, float *y, size_t n) { \
+        size_t i = 0;                                                      \
+        for (; i + W <= n; i += W)                                         \
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(f(_mm256_loadu_ps(a + i)), \
+                                                  _mm256_loadu_ps(b + i))); \
+        if (i < n) {                                                       \
+            float ba[W] = {0}, bb[W] = {0};                                \
+            memcpy(ba, a + i, (n - i) * sizeof(float));                    \
+            memcpy(bb, b + i, (n - i) * sizeof(float));                    \
+            _mm256_storeu_ps(ba, _mm256_mul_ps(f(_mm256_loadu_ps(ba)), _mm256_loadu_ps(bb))); \
+            memcpy(y + i, ba, (n - i) * sizeof(float));                    \
+        }                                                                  \
+    }
+
+UNARY(exp_avx2, exp8)
+UNARY(sigmoid_avx2, sigmoid8)
+UNARY(silu_avx2, silu8)
+UNARY(gelu_avx2, gelu8)
+BINARY(silu_mul_avx2, silu8)         /* (a * sigmoid(a)) * b */
+BINARY(sigmoid_mul_avx2, sigmoid8)   /* sigmoid(a) * b */
+
+void cism_fill_act_avx2(cism_kernels *k) {
+    k->exp = exp_avx2;
+    k->sigmoid = sigmoid_avx2;
+    k->silu = silu_avx2;
+    k->gelu = gelu_avx2;
+    k->silu_mul = silu_mul_avx2;
+    k->sigmoid_mul = sigmoid_mul_avx2;
+    k->name_act = "avx2";
+}

@@ -1,2 +1,132 @@
+/* AVX-512 vector activations, 16 floats per step.
+ *
+ * Bit for bit the scalar reference (act_ref.c), with the same rules as
+ * act_avx2.c: the same operations in the same order (fma for fmaf, plain
+ * mul/add for * and +, round-to-nearest-even for rintf, one IEEE division),
+ * _mm512_min_ps(a, c) = a < c ? a : c and _mm512_max_ps(a, c) = a > c ? a : c
+ * (so NaN clamps like the scalar code), ordered compares false for NaN. The
+ * last n % 16 elements use masked loads and stores (masked-off lanes compute
+ * on zeros and are never written). y may alias the inputs: each step loads
+ * before it stores.
+ */
 #include "../kernels.h"
-void cism_fill_act_avx512(cism_kernels *k) { (void)k; }
+
+#include <immintrin.h>
+
+/* The constants of act_ref.c (tests compare the two levels bit for bit). */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447505531f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+
+#define W 16
+
+static inline __m512 neg16(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* x < 0 ? -x : x (keeps -0 and the sign of NaN, as the reference does) */
+static inline __m512 abs16(__m512 x) {
+    const __mmask16 lt0 = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(lt0, x, neg16(x));
+}
+
+static inline __m512 exp16(__m512 x) {
+    __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    xc = _mm512_max_ps(xc, _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 z = _mm512_mul_ps(r, r);
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, z, r), _mm512_set1_ps(1.0f));
+    /* n is an integer in [-127, 127], so truncation is exact */
+    const __m512i ni = _mm512_cvttps_epi32(n);
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23));
+    const __m512 y = _mm512_mul_ps(p, scale);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    return _mm512_maskz_mov_ps((__mmask16)~under, y); /* +0 where x < EXP_LO */
+}
+
+static inline __m512 sigmoid16(__m512 x) {
+    const __m512 e = exp16(neg16(abs16(x)));
+    const __mmask16 ge0 = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 num = _mm512_mask_blend_ps(ge0, e, _mm512_set1_ps(1.0f));
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline __m512 gelu16(__m512 x) {
+    const __m512 ax = abs16(x);
+    const __m512 z = _mm512_mul_ps(ax, _mm512_set1_ps(0.707106781186547524f));
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+    __m512 p = _mm512_set1_ps(0.17087277f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.82215223f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.48851587f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.13520398f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.27886807f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.18628806f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.09678418f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.37409196f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.00002368f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.26551223f));
+    const __m512 e = exp16(_mm512_fmadd_ps(neg16(z), z, p));
+    const __m512 half_erfc = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(t, e));
+    const __mmask16 ge0 = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 phi = _mm512_mask_blend_ps(ge0, half_erfc,
+                                            _mm512_sub_ps(_mm512_set1_ps(1.0f), half_erfc));
+    return _mm512_mul_ps(x, phi);
+}
+
+static inline __m512 silu16(__m512 x) { return _mm512_mul_ps(x, sigmoid16(x)); }
+
+static inline __mmask16 tail_mask(size_t rem) { return (__mmask16)((1u << rem) - 1u); }
+
+#define UNARY(name, f)                                                        \
+    static void name(const float *x, float *y, size_t n) {                    \
+        size_t i = 0;                                                         \
+        for (; i + W <= n; i += W) _mm512_storeu_ps(y + i, f(_mm512_loadu_ps(x + i))); \
+        if (i < n) {                                                          \
+            const __mmask16 m = tail_mask(n - i);                             \
+            _mm512_mask_storeu_ps(y + i, m, f(_mm512_maskz_loadu_ps(m, x + i))); \
+        }                                                                     \
+    }
+
+#define BINARY(name, f)                                                       \
+    static void name(const float *a, const float *b, float *y, size_t n) {    \
+        size_t i = 0;                                                         \
+        for (; i + W <= n; i += W)                                            \
+            _mm512_storeu_ps(y + i, _mm512_mul_ps(f(_mm512_loadu_ps(a + i)),  \
+                                                  _mm512_loadu_ps(b + i)));   \
+        if (i < n) {                                                          \
+            const __mmask16 m = tail_mask(n - i);                             \
+            _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(f(_mm512_maskz_loadu_ps(m, a + i)), \
+                                                          _mm512_maskz_loadu_ps(m, b + i))); \
+        }                                                                     \
+    }
+
+UNARY(exp_avx512, exp16)
+UNARY(sigmoid_avx512, sigmoid16)
+UNARY(silu_avx512, silu16)
+UNARY(gelu_avx512, gelu16)
+BINARY(silu_mul_avx512, silu16)         /* (a * sigmoid(a)) * b */
+BINARY(sigmoid_mul_avx512, sigmoid16)   /* sigmoid(a) * b */
+
+void cism_fill_act_avx512(cism_kernels *k) {
+    k->exp = exp_avx512;
+    k->sigmoid = sigmoid_avx512;
+    k->silu = silu_avx512;
+    k->gelu = gelu_avx512;
+    k->silu_mul = silu_mul_avx512;
+    k->sigmoid_mul = sigmoid_mul_avx512;
+    k->name_act = "avx512";
+}
