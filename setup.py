@@ -96,6 +96,8 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             if ext.name == "cism._kernels":
                 ext.extra_objects = list(objects)
+                # relink when a kernel object changes, not only the .pyx
+                ext.depends = list(ext.depends) + [p for p, _ in KERNEL_SOURCES]
         super().build_extensions()
 
 

@@ -31,7 +31,7 @@
  * followed by the same reduction tree. fp32/fp16 weights ignore the switch.
  *
  * Vector activations (max errors against the double-precision function are
- * stated in act_ref.c and checked by tests/test_kernels.py).
+ * stated in act_ref.c and checked by tests/test_activations.py).
  */
 #ifndef CISM_KERNELS_H
 #define CISM_KERNELS_H
