@@ -96,6 +96,8 @@ cdef class DenseModel:
     cdef object lock_                # guards lock/unlock and the paged pool
     cdef object paged_state
     cdef uint64_t sink_
+    cdef object kv_budget_         # bytes all KV caches of this model may take (None: no budget)
+    cdef size_t kv_reserved        # bytes reserved by live sessions and the paged pool
     cdef public object source      # the Checkpoint a model was loaded from, if any
 
     def __cinit__(self):
@@ -120,6 +122,7 @@ cdef class DenseModel:
         self.lock_ = threading.Lock()
         self.paged_state = None
         self.source = None
+        self.kv_budget_ = kv_budget_from_env()
         nthreads = resolve_threads(threads)
         has_head = "lm_head.weight" in weights
         shapes = weight_shapes(config, has_head)
@@ -194,7 +197,13 @@ cdef class DenseModel:
         self.set_act_precision(act_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
+        cdef Matrix m
+        try:
+            m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
+        except MemoryError:
+            rows, cols = arrays[name].shape
+            raise MemoryError(f"out of memory packing {name} ({rows}x{cols} as {storage}; "
+                              f"{self.weight_bytes_} bytes packed so far)") from None
         self.keep.append(m)
         self.matrices[name] = m
         self.weight_bytes_ += m.nbytes
@@ -402,13 +411,49 @@ cdef class DenseModel:
         the distribution for token i+1 (for perplexity and KL evaluations)."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
 
+    # ---- KV memory budget ----
+
+    @property
+    def kv_budget(self):
+        """Bytes that all KV caches of this model together may take (sessions,
+        batches and the paged pool), or None for no budget beyond the 8 GiB
+        per-cache limit. Defaults to $CISM_KV_BUDGET (e.g. 2G, 512M)."""
+        return self.kv_budget_
+
+    def set_kv_budget(self, nbytes):
+        if nbytes is not None and (not is_int(nbytes) or nbytes < 0):
+            raise ValueError(f"kv budget must be a nonnegative number of bytes or None, got {nbytes!r}")
+        self.kv_budget_ = None if nbytes is None else int(nbytes)
+
+    @property
+    def kv_in_use(self):
+        """Bytes of KV cache reserved by live sessions and the paged pool."""
+        return self.kv_reserved
+
+    cdef object reserve_kv(self, size_t nbytes, what):
+        # checked before anything is allocated; the GIL serialises the counter
+        if self.kv_budget_ is not None and self.kv_reserved + nbytes > self.kv_budget_:
+            raise ValueError(f"KV budget exceeded: {what} needs {nbytes} bytes of KV cache and "
+                             f"{self.kv_reserved} of the {self.kv_budget_}-byte budget are in use "
+                             "(Model.set_kv_budget or CISM_KV_BUDGET)")
+        self.kv_reserved += nbytes
+
+    cdef void release_kv(self, size_t nbytes) noexcept:
+        self.kv_reserved -= nbytes if nbytes <= self.kv_reserved else self.kv_reserved
+
     # ---- paged KV and batches ----
 
     def _paged_state(self):
         with self.lock_:
             if self.paged_state is None:
                 cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks())
-                self.paged_state = PagedState(BlockPool(cap, self.c.layers, self.c.kv_width), cap)
+                nbytes = cap * self.c.layers * 16 * self.c.kv_width * 8
+                self.reserve_kv(nbytes, f"the paged pool ({cap} blocks)")
+                try:
+                    self.paged_state = PagedState(BlockPool(cap, self.c.layers, self.c.kv_width), cap)
+                except BaseException:
+                    self.release_kv(nbytes)
+                    raise
             return self.paged_state
 
     def create_paged_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
@@ -491,7 +536,20 @@ cdef class DenseModel:
         st = self._paged_state()
         with st.lock:
             cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks)
-            st.pool = BlockPool(cap, self.c.layers, self.c.kv_width)
+            old = st.pool.kv_bytes()
+            new = cap * self.c.layers * 16 * self.c.kv_width * 8
+            self.release_kv(old)
+            try:
+                self.reserve_kv(new, f"the paged pool ({cap} blocks)")
+                try:
+                    pool = BlockPool(cap, self.c.layers, self.c.kv_width)
+                except BaseException:
+                    self.release_kv(new)
+                    raise
+            except BaseException:
+                self.kv_reserved += old  # the old pool stays
+                raise
+            st.pool = pool
             st.max_blocks = cap
 
     def paged_pool(self):
@@ -503,6 +561,22 @@ cdef class DenseModel:
         return (f"{type(self).__name__}({c.model_type}, layers={c.layers}, hidden={c.hidden}, "
                 f"precision={self.precision_!r}, act_precision={self.act_precision!r}, "
                 f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
+
+
+def kv_budget_from_env():
+    """$CISM_KV_BUDGET as bytes (plain, or with a K/M/G suffix); None when unset."""
+    import os
+    text = os.environ.get("CISM_KV_BUDGET", "").strip().upper()
+    if not text:
+        return None
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"CISM_KV_BUDGET must be a number of bytes (e.g. 2G, 512M), got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"CISM_KV_BUDGET must not be negative, got {text!r}")
+    return value
 
 
 def _weight_array(value, name, shape):
@@ -891,6 +965,10 @@ cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t
     return OK
 
 
+cdef size_t kv_cache_bytes(const ModelC *m, size_t capacity) noexcept:
+    return 2 * sizeof(float) * m.layers * capacity * m.kv_width
+
+
 cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, size_t sequences=1):
     capacity = prompt_len + max_new
     if capacity > m.context:
@@ -917,12 +995,14 @@ cdef class Session:
     cdef int64_t emitted[MAX_K + 1]
     cdef int64_t cands[MAX_K]
     cdef object lock
+    cdef size_t kv_bytes               # reserved in the model's KV budget
 
     def __cinit__(self):
         memset(&self.s, 0, sizeof(Seq))
         memset(&self.p, 0, sizeof(Params))
         memset(&self.w, 0, sizeof(Work))
         self.block_logits = NULL
+        self.kv_bytes = 0
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
@@ -937,8 +1017,13 @@ cdef class Session:
                      model.c.vocab, seed) != OK:
             raise MemoryError("cannot allocate session state")
         self.lock = threading.Lock()
+        nbytes = kv_cache_bytes(self.m, self.s.capacity)
+        model.reserve_kv(nbytes, "this session")
+        self.kv_bytes = nbytes
 
     def __dealloc__(self):
+        if self.kv_bytes and self.model is not None:
+            self.model.release_kv(self.kv_bytes)
         seq_free(&self.s)
         kv_free(&self.s.kv)
         free(self.p.eos)
@@ -1579,11 +1664,13 @@ cdef class BatchSession:
     cdef float *rows           # logits of the rows that need them
     cdef size_t rows_cap
     cdef object lock
+    cdef size_t kv_bytes       # reserved in the model's KV budget
 
     def __cinit__(self):
         self.seqs = NULL
         self.kvs = NULL
         self.rows = NULL
+        self.kv_bytes = 0
         memset(&self.p, 0, sizeof(Params))
         memset(&self.w, 0, sizeof(Work))
 
@@ -1616,6 +1703,9 @@ cdef class BatchSession:
         for a in arrays:
             check_capacity(self.m, len(a), max_new)
         check_capacity(self.m, max(len(a) for a in arrays), max_new, len(arrays))
+        nbytes = sum(kv_cache_bytes(self.m, len(a) + max_new) for a in arrays)
+        model.reserve_kv(nbytes, f"this batch of {len(arrays)} sequences")
+        self.kv_bytes = nbytes
         self.B = len(arrays)
         self.seqs = <Seq*>calloc(self.B, sizeof(Seq))
         self.kvs = <KV*>calloc(self.B, sizeof(KV))
@@ -1630,6 +1720,8 @@ cdef class BatchSession:
 
     def __dealloc__(self):
         cdef size_t i
+        if self.kv_bytes and self.model is not None:
+            self.model.release_kv(self.kv_bytes)
         if self.seqs != NULL:
             for i in range(self.B):
                 seq_free(&self.seqs[i])
