@@ -117,6 +117,26 @@ def test_fp16_infinity_in_the_next_row_is_not_read_into_the_tail():
             assert np.array_equal(bits(g), bits(w))
 
 
+@pytest.mark.parametrize("storage,w,x", [
+    ("fp32", -2.0 ** -100, 2.0 ** -60),
+    ("fp16", -2.0 ** -24, 2.0 ** -130),
+    ("int4", -2.0 ** -100, 2.0 ** -60),
+    ("fp4", -0.0117, 2.0 ** -149),
+])
+def test_lanes_that_underflow_to_negative_zero_stay_negative_zero(storage, w, x):
+    # Every product is a negative number too small for binary32, so
+    # fma(w, x, +0) = -0 in every lane and the reference returns -0. Lanes past
+    # the end must then add -0, not +0 (which would turn the -0 into +0).
+    for cols in (17, 33, 47, 100):
+        W = np.full((7, cols), w, np.float32)
+        X = np.full((3, cols), x, np.float32)
+        m = Matrix(W, storage)
+        want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 3)])
+        for wv, g in zip(want, got):
+            assert (bits(wv) == 0x80000000).all(), (storage, cols)  # the case is really -0
+            assert np.array_equal(bits(g), bits(wv)), (storage, cols)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 9),
        storage=st.sampled_from(STORAGES), scale=st.sampled_from([1.0, 1e-20, 1e20]),
@@ -147,6 +167,35 @@ def test_dot_axpy_and_quantizers():
                 assert np.array_equal(bits(g), bits(w)), n
             else:
                 assert np.array_equal(g, w), n
+
+
+@pytest.mark.parametrize("scale", [1e-36, 1e-40, 1e-45, 1e30, 3e38])
+def test_tiny_and_huge_activation_blocks(scale):
+    # absmax < 32767 / FLT_MAX makes the block's norm +inf: the reference then
+    # maps every nonzero element to +-32767 and a zero element to +32767
+    # (0 * inf = NaN, clamped), but writes 0 past the end of the row. The
+    # padding must stay 0 or the quantized products read garbage weights.
+    r = np.random.default_rng(6)
+    for cols in (1, 20, 40, 100):
+        with np.errstate(over="ignore"):
+            x = (r.standard_normal(cols) * scale).astype(np.float32)  # 3e38: some +-inf
+        x[::7] = 0
+        W = r.standard_normal((5, cols)).astype(np.float32)
+        mats = {s: Matrix(W, s) for s in ("int8", "int4", "fp4")}
+
+        def run():
+            out = [*_kernels.quantize(x, 16), *_kernels.quantize(x, 8)]
+            for m in mats.values():
+                m.act_precision = "int8"
+                if np.isfinite(x).all():
+                    out.append(m.gemv(x, threads=1))
+            return out
+
+        with np.errstate(over="ignore"):
+            want, got = both(run)
+        assert not want[0][cols:].any() and not want[2][cols:].any()
+        for w, g in zip(want, got):
+            assert np.array_equal(bits(g), bits(w)) if w.dtype == np.float32 else np.array_equal(g, w)
 
 
 def test_quantizer_rounds_ties_to_even():
