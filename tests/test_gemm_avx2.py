@@ -137,6 +137,20 @@ def test_lanes_that_underflow_to_negative_zero_stay_negative_zero(storage, w, x)
             assert np.array_equal(bits(g), bits(wv)), (storage, cols)
 
 
+def test_int4_zero_code_keeps_the_sign_of_a_negative_scale():
+    # Positive extremes give negative int4 scales; code 8 then dequantizes to
+    # 0.0f * scale = -0 in the reference. Elements 0-15 underflow every lane to
+    # -0 first, so a +0 weight for elements 16-31 would flip the result.
+    W = np.array([[1e-30] * 16 + [0] * 16] * 3, np.float32)
+    X = np.array([[-1e-20] * 16 + [1] * 16] * 4, np.float32)
+    m = Matrix(W, "int4")
+    assert (m.scales < 0).all()
+    want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 2, 3, 4)])
+    for w, g in zip(want, got):
+        assert (bits(w) == 0x80000000).all()
+        assert np.array_equal(bits(g), bits(w))
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 9),
        storage=st.sampled_from(STORAGES), scale=st.sampled_from([1.0, 1e-20, 1e20]),

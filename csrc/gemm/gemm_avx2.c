@@ -92,18 +92,19 @@ ALWAYS_INLINE void deq16(const int S, const uint8_t *p, __m256 *lo, __m256 *hi, 
  * 0-7, 8-15, 16-23, 24-31 (lanes lo, hi, lo, hi). The scales sit inside the
  * row at scale_offset, so one pointer per row suffices. */
 
-/* int4 block b: w = (code - 8) * scale as fma(code, scale, -8 * scale);
- * -8*scale is exact, so the fma's single rounding is the reference's. */
+/* int4 block b: w = (float)(code - 8) * scale, literally the reference.
+ * (fma(code, scale, -8 * scale) rounds the same and saves the subtraction,
+ * but gives +0 for code 8 where 0.0f * scale is -0 for a negative scale,
+ * which shows once a lane has underflowed to -0.) */
 ALWAYS_INLINE void int4_block32(const uint8_t *p, size_t so, size_t b, __m256 w[4]) {
     const __m256 s = _mm256_set1_ps(cism_int4_scale(p, so, b));
-    const __m256 neg8s = _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
-    const __m256i m15 = _mm256_set1_epi32(15);
+    const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * b)));
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * b + 8)));
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m15)), s, neg8s);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m15)), s, neg8s);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), s, neg8s);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), s, neg8s);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, m15), eight)), s);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, m15), eight)), s);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight)), s);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight)), s);
 }
 
 /* The nibbles of 16 fp4 code bytes as 2*E2M1 int8 values, element order:
