@@ -12,8 +12,9 @@
  * even an fp16 infinity in the next row can make a NaN, and the product -0
  * leaves a lane that underflowed to -0 as it is (see past_end_neg0). Quantized
  * activations are zero padded to cism_act_len(cols): those paths read whole
- * units and the padding adds fma(0, s, acc) = acc (their lanes are never -0:
- * p * s is an integer multiple of a float, so a nonzero sum never rounds to 0).
+ * units and the padding adds fma(0, s, acc) = acc. (Their lanes are never -0:
+ * (float)p * s + acc is a multiple of 2^-149 like every float, so a nonzero
+ * result cannot round to 0, and a zero one is +0.)
  *
  * Tiling (16 ymm registers; an R rows x TT tokens tile holds 2*R*TT
  * accumulators). Decode (T = 1) runs R independent weight streams: 6 rows for
@@ -68,7 +69,8 @@ ALWAYS_INLINE __m256 past_end_neg0(__m256 w, __m256i mask) {
     return _mm256_or_ps(_mm256_and_ps(w, m), _mm256_andnot_ps(m, _mm256_set1_ps(-0.0f)));
 }
 
-/* ---- fp32 activations: weights dequantized 16 elements at a time ---- */
+/* ---- fp32 activations: weights dequantized to floats, 16 (fp32/fp16/int8)
+ * or 32 (int4/fp4) elements at a time ---- */
 
 /* fp32, fp16, int8 rows: elements 16c..16c+7 (lo) and 16c+8..16c+15 (hi) as floats. */
 ALWAYS_INLINE void deq16(const int S, const uint8_t *p, __m256 *lo, __m256 *hi, size_t c) {
