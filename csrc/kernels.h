@@ -1,6 +1,6 @@
 /* The kernel families, their canonical arithmetic, and the dispatch table.
  *
- * Every family has one signature and a scalar reference (csrc/<family>/*_ref.c).
+ * Every family has one signature and a scalar reference (csrc/<family>/<family>_ref.c).
  * SIMD variants reproduce the reference BIT FOR BIT: the arithmetic below is
  * the contract, and the scalar code spells it out. This is what makes results
  * independent of the CPU, the thread count and the batch shape.
@@ -9,8 +9,8 @@
  *   acc[0..15] = +0; for element i (in order): acc[i % 16] = fma(w_i, x_i, acc[i % 16])
  *   then a fixed tree: s8[i] = acc[i] + acc[i+8]; s4[i] = s8[i] + s8[i+4];
  *   s2[i] = s4[i] + s4[i+2]; result = s2[0] + s2[1].
- * Elements past the end contribute nothing (a zero product leaves a lane
- * unchanged because a lane that starts at +0 can never hold -0).
+ * Elements past the end never touch their lane (a lane can hold -0, which a
+ * +0 product would turn into +0; SIMD tails use masked or -0 contributions).
  *   fp32: w_i = W[r][i];  fp16: w_i = half_to_float(W[r][i]);
  *   int4: w_i = (float)(code_i - 8) * scale_block  (one rounding);
  *   fp4:  w_i = (float)e2m1x2(code_i) * (e4m3(scale_byte) * 0.5f)  (exact);
@@ -20,7 +20,8 @@
  * into 32-element blocks and zero padded to a multiple of CISM_ACT_PAD;
  *   q16: scale = absmax/32767, q = clamp(rintf(x * (32767/absmax)), +-32767)
  *   q8:  scale = absmax/127,   q = clamp(rintf(x * (127/absmax)), +-127)
- * (an all-zero block gets q = 0 and scale 0). The integer products are exact;
+ * (an all-zero block gets q = 0 and scale 0, and so does a block so small
+ * that qmax/absmax overflows: its values are below 1e-34). The integer products are exact;
  * only the float accumulation has an order, again 16 lanes:
  *   int4 x q16, block b: lane j (0..15) += fma((float)(w[2j]a[2j] + w[2j+1]a[2j+1]),
  *                                            wscale_b * ascale_b)
@@ -116,6 +117,18 @@ void cism_fill_act_avx2(cism_kernels *k);
 void cism_fill_act_avx512(cism_kernels *k);
 
 /* The canonical reduction tree of 16 lane sums (see the top of this file). */
+/* qmax/absmax for a block; a block whose norm would overflow counts as zero
+ * (absmax set to 0) so its codes and scale are 0 on every ISA. */
+static inline float quant_norm(float *absmax, float qmax) {
+    if (!(*absmax > 0.0f)) return 0.0f;
+    const float norm = qmax / *absmax;
+    if (norm > 3.4028234663852886e38f) {
+        *absmax = 0.0f;
+        return 0.0f;
+    }
+    return norm;
+}
+
 static inline float cism_reduce16(const float *acc) {
     float s8[8], s4[4];
     for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];

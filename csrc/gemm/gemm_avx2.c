@@ -510,9 +510,7 @@ ALWAYS_INLINE float block_absmax(const float *x, size_t start, size_t n, __m256 
 
 /* rint(v * norm) clamped to +-limit, as int32, and 0 past n. min_ps(q, l) is
  * `q < l ? q : l` and max_ps(q, -l) is `q > -l ? q : -l`, the reference's
- * clamps, NaN included. The mask matters: when absmax < limit / FLT_MAX the
- * norm is +inf and 0 * inf = NaN clamps to +limit, which the reference does
- * for a zero element inside the row but never for the padding. */
+ * clamps, NaN included (NaN inputs only: quant_norm keeps the norm finite). */
 ALWAYS_INLINE __m256i quant_lanes(__m256 v, __m256 in, __m256 norm, __m256 limit) {
     __m256 q = _mm256_round_ps(_mm256_mul_ps(v, norm), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm256_min_ps(q, limit);
@@ -525,8 +523,8 @@ static void quant16_avx2(const float *x, size_t n, int16_t *q, float *scales) {
     const __m256 limit = _mm256_set1_ps(32767.0f);
     for (size_t b = 0; b * 32 < len; b++) {
         __m256 v[4], in[4];
-        const float m = block_absmax(x, 32 * b, n, v, in);
-        const __m256 norm = _mm256_set1_ps(m > 0.0f ? 32767.0f / m : 0.0f);
+        float m = block_absmax(x, 32 * b, n, v, in);
+        const __m256 norm = _mm256_set1_ps(quant_norm(&m, 32767.0f));
         scales[b] = m / 32767.0f;
         for (int k = 0; k < 4; k += 2) {
             /* packs works per 128-bit lane; the permute restores element order */
@@ -543,8 +541,8 @@ static void quant8_avx2(const float *x, size_t n, int8_t *q, float *scales) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (size_t b = 0; b * 32 < len; b++) {
         __m256 v[4], in[4];
-        const float m = block_absmax(x, 32 * b, n, v, in);
-        const __m256 norm = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+        float m = block_absmax(x, 32 * b, n, v, in);
+        const __m256 norm = _mm256_set1_ps(quant_norm(&m, 127.0f));
         scales[b] = m / 127.0f;
         const __m256i p01 = _mm256_packs_epi32(quant_lanes(v[0], in[0], norm, limit), quant_lanes(v[1], in[1], norm, limit));
         const __m256i p23 = _mm256_packs_epi32(quant_lanes(v[2], in[2], norm, limit), quant_lanes(v[3], in[3], norm, limit));

@@ -68,17 +68,17 @@ ALWAYS_INLINE __m512 deq16(const int S, row_ptr p, size_t so, size_t c, __mmask1
     }
 }
 
-/* Both halves of int4 block b: w = (code - 8) * scale, computed as
- * fma(code, scale, -8 * scale): -8*scale is exact, so the single rounding of
- * the fma equals the reference's one rounding of (code - 8) * scale. */
+/* Both halves of int4 block b: w = (float)(code - 8) * scale, one rounding,
+ * exactly the reference (an fma(code, scale, -8*scale) rounds the same
+ * value but gives +0 where the reference gives -0 for code 8). */
 ALWAYS_INLINE void int4_block32(row_ptr p, size_t so, size_t b, __m512 *w0, __m512 *w1) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p.codes + 16 * b)));
     const __m512 s = _mm512_set1_ps(int4_scale(p, so, b));
-    const __m512 neg8s = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    *w0 = _mm512_fmadd_ps(lo, s, neg8s);
-    *w1 = _mm512_fmadd_ps(hi, s, neg8s);
+    const __m512i eight = _mm512_set1_epi32(8);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), eight));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
+    *w0 = _mm512_mul_ps(lo, s);
+    *w1 = _mm512_mul_ps(hi, s);
 }
 
 /* An R x TT tile of dots: rows r.., tokens of X (row stride ldx). */
@@ -121,9 +121,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
             for (int i = 0; i < R; i++) {
                 __m512 w0, w1;
                 int4_block32(p[i], so, blocks, &w0, &w1);
+                /* lanes past the end must stay untouched: a lane may hold -0 */
                 for (int j = 0; j < TT; j++) {
-                    acc[i][j] = _mm512_fmadd_ps(w0, x0[j], acc[i][j]);
-                    if (m1) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], acc[i][j]);
+                    acc[i][j] = _mm512_mask3_fmadd_ps(w0, x0[j], acc[i][j], m0);
+                    if (m1) acc[i][j] = _mm512_mask3_fmadd_ps(w1, x1[j], acc[i][j], m1);
                 }
             }
         }
@@ -140,9 +141,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         const __mmask16 m = (__mmask16)((1u << rem) - 1);
         __m512 x[4];
         for (int j = 0; j < TT; j++) x[j] = _mm512_maskz_loadu_ps(m, X + j * ldx + 16 * full);
+        /* lanes past the end must stay untouched: a lane may hold -0 */
         for (int i = 0; i < R; i++) {
             const __m512 w = deq16(S, p[i], so, full, m);
-            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_fmadd_ps(w, x[j], acc[i][j]);
+            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_mask3_fmadd_ps(w, x[j], acc[i][j], m);
         }
     }
     }
@@ -171,7 +173,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
                                 const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
         size_t r = r0;
-        /* 4-bit rows carry two pointers each: 8 of them would spill registers */
+        /* 4-bit rows: 8 rows of dequantization would spill vector registers */
         if (S != CISM_INT4 && S != CISM_FP4)
             for (; r + 8 <= r1; r += 8) tile_f32(S, 8, 1, W, r, A->x, A->ldx, Y, ldy);
         for (; r + 4 <= r1; r += 4) tile_f32(S, 4, 1, W, r, A->x, A->ldx, Y, ldy);
@@ -397,7 +399,7 @@ static float dot_avx512(const float *a, const float *b, size_t n) {
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc, m);
     }
     return hsum(acc);
 }
@@ -436,8 +438,8 @@ static void quant16_avx512(const float *x, size_t n, int16_t *q, float *scales) 
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
         __m512 v0, v1;
-        const float m = block_absmax(x, 32 * b, n, &v0, &v1);
-        const float norm = m > 0.0f ? 32767.0f / m : 0.0f;
+        float m = block_absmax(x, 32 * b, n, &v0, &v1);
+        const float norm = quant_norm(&m, 32767.0f);
         scales[b] = m / 32767.0f;
         _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtepi32_epi16(quant_half(v0, norm, 32767.0f)));
         _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtepi32_epi16(quant_half(v1, norm, 32767.0f)));
@@ -448,8 +450,8 @@ static void quant8_avx512(const float *x, size_t n, int8_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
         __m512 v0, v1;
-        const float m = block_absmax(x, 32 * b, n, &v0, &v1);
-        const float norm = m > 0.0f ? 127.0f / m : 0.0f;
+        float m = block_absmax(x, 32 * b, n, &v0, &v1);
+        const float norm = quant_norm(&m, 127.0f);
         scales[b] = m / 127.0f;
         _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(quant_half(v0, norm, 127.0f)));
         _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(quant_half(v1, norm, 127.0f)));

@@ -167,8 +167,8 @@ static float block_absmax(const float *x, size_t start, size_t n) {
 static void quant16_ref(const float *x, size_t n, int16_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
-        const float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
-        const float norm = m > 0.0f ? 32767.0f / m : 0.0f;
+        float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
+        const float norm = quant_norm(&m, 32767.0f);
         scales[b] = m / 32767.0f;
         for (size_t i = b * 32; i < b * 32 + 32; i++) {
             float v = i < n ? rintf(x[i] * norm) : 0.0f;
@@ -182,8 +182,8 @@ static void quant16_ref(const float *x, size_t n, int16_t *q, float *scales) {
 static void quant8_ref(const float *x, size_t n, int8_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
-        const float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
-        const float norm = m > 0.0f ? 127.0f / m : 0.0f;
+        float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
+        const float norm = quant_norm(&m, 127.0f);
         scales[b] = m / 127.0f;
         for (size_t i = b * 32; i < b * 32 + 32; i++) {
             float v = i < n ? rintf(x[i] * norm) : 0.0f;
