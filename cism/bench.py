@@ -90,3 +90,14 @@ def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5):
             "decode_tok_s": decode, "prefill_tok_s": prefill,
             "read_gb_s": bandwidth / 1e9, "roofline_tok_s": roofline,
             "roofline_ratio": decode / roofline}
+
+
+def format_table(rows):
+    """The human-readable table of measure() rows."""
+    lines = [f"{'precision':12} {'act':5} {'thr':>3} {'MB/token':>9} {'decode':>8} {'roofline':>9} "
+             f"{'ratio':>6} {'prefill':>8}"]
+    for r in rows:
+        lines.append(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} "
+                     f"{r['weight_bytes'] / 1e6:9.1f} {r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} "
+                     f"{100 * r['roofline_ratio']:5.0f}% {r['prefill_tok_s']:8.1f}")
+    return "\n".join(lines)

@@ -242,13 +242,9 @@ def cmd_bench(args):
     if args.json:
         print(json.dumps(report))
         return 0
-    print(report["model"])
-    print(f"{'precision':12} {'act':5} {'thr':>3} {'MB/token':>9} {'decode':>8} {'roofline':>9} "
-          f"{'ratio':>6} {'prefill':>8}")
-    for r in rows:
-        print(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} {r['weight_bytes'] / 1e6:9.1f} "
-              f"{r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} {100 * r['roofline_ratio']:5.0f}% "
-              f"{r['prefill_tok_s']:8.1f}")
+    print(report["model"] + "  (read bandwidth " +
+          ", ".join(f"{t} thr {b:.1f} GB/s" for t, b in report["read_gb_s"].items()) + ")")
+    print(bench.format_table(rows))
     return 0
 
 

@@ -175,4 +175,45 @@ static inline uint8_t cism_f32_to_e4m3(float x) {
  * every element is a small integer; kernels fold the 1/2 into the scale. */
 static const int8_t cism_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+/* Row r of W as floats, exactly as the kernels see the weights; int8 rows
+ * are multiplied by their row scale only when with_int8_scale is set (the
+ * dot products apply it after the sum). */
+static inline void cism_dequant_row(const cism_mat *W, size_t r, float *out, int with_int8_scale) {
+    const size_t n = W->cols;
+    const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
+    switch (W->storage) {
+    case CISM_FP32:
+        memcpy(out, row, n * sizeof(float));
+        break;
+    case CISM_FP16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * i, 2);
+            out[i] = cism_fp16_to_f32(h);
+        }
+        break;
+    case CISM_INT8: {
+        const float s = with_int8_scale ? W->scales[r] : 1.0f;
+        for (size_t i = 0; i < n; i++) out[i] = with_int8_scale ? (float)(int8_t)row[i] * s : (float)(int8_t)row[i];
+        break;
+    }
+    case CISM_INT4:
+        for (size_t i = 0; i < n; i++) {
+            const size_t b = i / 32, t = i % 32;
+            const uint8_t byte = row[b * 16 + (t % 16)];
+            const int code = t < 16 ? (byte & 15) : (byte >> 4);
+            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
+        }
+        break;
+    default: { /* CISM_FP4 */
+        const uint8_t *sb = row + W->scale_offset;
+        for (size_t i = 0; i < n; i++) {
+            const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
+            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
+        }
+        break;
+    }
+    }
+}
+
 #endif

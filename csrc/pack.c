@@ -87,36 +87,5 @@ void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, si
 
 /* Row r back to floats, exactly as the kernels see it (int8 with its scale). */
 void cism_unpack_row(const cism_mat *W, size_t r, float *out) {
-    const size_t n = W->cols;
-    const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
-    switch (W->storage) {
-    case CISM_FP32: memcpy(out, row, n * sizeof(float)); break;
-    case CISM_FP16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, row + 2 * i, 2);
-            out[i] = cism_fp16_to_f32(h);
-        }
-        break;
-    case CISM_INT8:
-        for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i] * W->scales[r];
-        break;
-    case CISM_INT4: {
-        for (size_t i = 0; i < n; i++) {
-            const size_t b = i / 32, t = i % 32;
-            const uint8_t byte = row[b * 16 + (t % 16)];
-            const int code = t < 16 ? (byte & 15) : (byte >> 4);
-            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
-        }
-        break;
-    }
-    default: {
-        const uint8_t *sb = row + W->scale_offset;
-        for (size_t i = 0; i < n; i++) {
-            const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
-            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
-        }
-        break;
-    }
-    }
+    cism_dequant_row(W, r, out, 1);
 }

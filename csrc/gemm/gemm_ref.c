@@ -14,51 +14,13 @@ static float dot16(const float *w, const float *x, size_t n) {
     return cism_reduce16(acc);
 }
 
-/* Row r of W as floats (int8 without its row scale). */
-static void dequant_row(const cism_mat *W, size_t r, float *out) {
-    const size_t n = W->cols;
-    const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
-    switch (W->storage) {
-    case CISM_FP32:
-        memcpy(out, row, n * sizeof(float));
-        break;
-    case CISM_FP16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, row + 2 * i, 2);
-            out[i] = cism_fp16_to_f32(h);
-        }
-        break;
-    case CISM_INT8:
-        for (size_t i = 0; i < n; i++) out[i] = (float)(int8_t)row[i];
-        break;
-    case CISM_INT4: {
-        for (size_t i = 0; i < n; i++) {
-            const size_t b = i / 32, t = i % 32;
-            const uint8_t byte = row[b * 16 + (t % 16)];
-            const int code = t < 16 ? (byte & 15) : (byte >> 4);
-            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
-        }
-        break;
-    }
-    default: { /* CISM_FP4 */
-        const uint8_t *sb = row + W->scale_offset;
-        for (size_t i = 0; i < n; i++) {
-            const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
-            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
-        }
-        break;
-    }
-    }
-}
-
 static void gemm_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
                      float *Y, size_t ldy) {
     float stack[1024];
     float *w = W->cols <= 1024 ? stack : malloc(W->cols * sizeof(float));
     if (!w) abort(); /* the reference path is for tests and old CPUs; rows are small */
     for (size_t r = r0; r < r1; r++) {
-        dequant_row(W, r, w);
+        cism_dequant_row(W, r, w, 0);
         const float row_scale = W->storage == CISM_INT8 ? W->scales[r] : 1.0f;
         for (size_t t = 0; t < T; t++) {
             float d = dot16(w, A->x + t * A->ldx, W->cols);
