@@ -57,13 +57,17 @@ ALWAYS_INLINE __m512 deq16(const int S, row_ptr p, size_t so, size_t c, __mmask1
     case CISM_INT8:
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p.codes + 16 * c)));
     default: { /* CISM_FP4: 8 bytes, low nibble = even element */
-        const __m128i lut = _mm_loadu_si128((const __m128i *)cism_e2m1_x2);
-        const __m128i x = _mm_loadl_epi64((const __m128i *)(p.codes + 8 * c));
-        const __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
-        const __m128i v = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-        return _mm512_mul_ps(w, _mm512_set1_ps(e4m3_half[p.codes[so + c]]));
+        /* the block's 16 possible values e2m1x2[code] * (e4m3 * 0.5) (exact
+         * products, as in the reference), looked up with vpermps, which reads
+         * only the low 4 bits of each index: byte j/2 shifted by 4*(j%2) */
+        const __m512 table = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128((const __m128i *)cism_e2m1_x2))),
+                                           _mm512_set1_ps(e4m3_half[p.codes[so + c]]));
+        const __m128i dup = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(p.codes + 8 * c)),
+                                             _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(dup),
+                                              _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+        return _mm512_permutexvar_ps(idx, table);
     }
     }
 }
@@ -72,13 +76,14 @@ ALWAYS_INLINE __m512 deq16(const int S, row_ptr p, size_t so, size_t c, __mmask1
  * exactly the reference (an fma(code, scale, -8*scale) rounds the same
  * value but gives +0 where the reference gives -0 for code 8). */
 ALWAYS_INLINE void int4_block32(row_ptr p, size_t so, size_t b, __m512 *w0, __m512 *w1) {
+    /* the block's 16 possible weights (code - 8) * scale, each rounded once as
+     * in the reference, then looked up with vpermps (it reads only the low 4
+     * bits of each index, so the low nibble needs no mask) */
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 table = _mm512_mul_ps(codes, _mm512_set1_ps(int4_scale(p, so, b)));
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p.codes + 16 * b)));
-    const __m512 s = _mm512_set1_ps(int4_scale(p, so, b));
-    const __m512i eight = _mm512_set1_epi32(8);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), eight));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
-    *w0 = _mm512_mul_ps(lo, s);
-    *w1 = _mm512_mul_ps(hi, s);
+    *w0 = _mm512_permutexvar_ps(bytes, table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 /* An R x TT tile of dots: rows r.., tokens of X (row stride ldx). */
