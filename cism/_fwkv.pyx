@@ -410,18 +410,45 @@ cdef void work_free(Work *w) noexcept nogil:
 
 cdef inline void proj_in(const ModelC *m, const float *emb, float *x, size_t chunk) noexcept nogil:
     """Rows [chunk*COLS, +COLS) of x = shared.proj @ emb: fp32 weights, double
-    accumulation in column order (the spec's arithmetic)."""
+    accumulation in column order (the spec's arithmetic). Four rows at a time
+    keep four independent sums in flight (one chain per row stalls on the
+    add latency); each row's order of operations is unchanged."""
     cdef size_t e = m.e, i, j
     cdef size_t r0 = chunk * COLS
     cdef size_t r1 = r0 + COLS if r0 + COLS < m.d else m.d
-    cdef const float *row
-    cdef double acc
-    for i in range(r0, r1):
-        row = m.proj + i * e
-        acc = 0
+    cdef const float *p0
+    cdef const float *p1
+    cdef const float *p2
+    cdef const float *p3
+    cdef double a0, a1, a2, a3, ej
+    i = r0
+    while i + 4 <= r1:
+        p0 = m.proj + i * e
+        p1 = p0 + e
+        p2 = p1 + e
+        p3 = p2 + e
+        a0 = 0
+        a1 = 0
+        a2 = 0
+        a3 = 0
         for j in range(e):
-            acc += <double>row[j] * emb[j]
-        x[i] = <float>acc
+            ej = emb[j]
+            a0 += <double>p0[j] * ej
+            a1 += <double>p1[j] * ej
+            a2 += <double>p2[j] * ej
+            a3 += <double>p3[j] * ej
+        x[i] = <float>a0
+        x[i + 1] = <float>a1
+        x[i + 2] = <float>a2
+        x[i + 3] = <float>a3
+        i += 4
+    while i < r1:
+        p0 = m.proj + i * e
+        a0 = 0
+        for j in range(e):
+            a0 += <double>p0[j] * emb[j]
+        x[i] = <float>a0
+        i += 1
 
 
 cdef inline void proj_back(const ModelC *m, const float *h, float *out, size_t chunk) noexcept nogil:
