@@ -21,7 +21,7 @@ from cism.tokenizer import Tokenizer  # noqa: F401
 
 __version__ = "0.1.0"
 
-FAMILIES = {"llama": "cism.dense", "qwen3": "cism.dense"}
+FAMILIES = {"llama": "cism.dense", "qwen3": "cism.dense", "fwkv": "cism.fwkv"}
 
 
 def load(path, **kwargs):

@@ -19,6 +19,8 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden=1024, intermediate=3072, layers=28, heads=16,
                        kv_heads=8, head_dim=128, vocab=151936, context=40960, eps=1e-6,
                        rope_theta=1000000.0, tied=True),
+    "myosotis-1-base": dict(model_type="fwkv", d_model=768, d_emb=192, layers=13, ffn_mult=4,
+                            vocab=50257, context=1024, wkv_floor=0.1, tied=True),
 }
 
 
@@ -37,11 +39,28 @@ def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", se
     return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
 
 
+def random_fwkv(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
+    from cism.fwkv import Config, Model, weight_shapes
+    config = Config(**SHAPES[shape])
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, s in weight_shapes(config).items():
+        if len(s) == 1:
+            weights[name] = (np.zeros if name.endswith((".bias", ".w")) else np.ones)(s, np.float32)
+        else:
+            w = rng.standard_normal(s, dtype=np.float32)
+            w *= np.float32(1.0 / np.sqrt(s[1]))
+            weights[name] = w
+    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
+
+
 def random_model(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
     """A random-weight model of a known shape, whatever its family."""
-    if shape in SHAPES:
-        return random_dense(shape, precision, threads, act_precision, seed)
-    raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+    family = SHAPES[shape].get("model_type")
+    make = {"fwkv": random_fwkv}.get(family, random_dense)
+    return make(shape, precision, threads, act_precision, seed)
 
 
 def read_bandwidth(threads, repeats=5):

@@ -1,0 +1,1039 @@
+"""FWKV (RWKV-style recurrent) models: packed weights, the forward pass, and sessions.
+
+One forward function runs T tokens of one sequence from its WKV state. Every
+projection of a layer runs once over all T tokens (k, v and r together, then
+proj_out, ffn.0, ffn.2); only the recurrence walks the tokens in order, and it
+is elementwise, so its columns run in parallel. Each row of every product and
+each element of the recurrence is computed the same way whatever T, the
+chunking or the thread count, so a block of T tokens equals T single steps bit
+for bit.
+"""
+import hashlib
+import threading
+
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange
+from libc.math cimport sqrtf, exp, log, isfinite
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset
+from posix.mman cimport mlock, munlock
+
+from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
+from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
+from cism.sampling cimport (cism_mt64, cism_sampler, rng_seed, argmax, sample_token,
+                            sampler_free, draft_tokens)
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
+                           logits_copy, params_eos, cism_flag_get, cism_flag_set)
+from cism._common import FINISH_NAMES
+
+from cism import _kernels
+from cism._dense import _weight_array
+from cism._threads import resolve_threads
+from cism.sampling import check_seed
+
+cnp.import_array()
+
+cdef extern from "memscan.h" nogil:
+    uint64_t cism_touch(const void *p, size_t n)
+    uint64_t cism_scan(const void *p, size_t n)
+
+PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
+CODE_VERSION = "cism-fwkv-1"
+DEF MAX_K = 16
+MAX_SPEC_K = MAX_K
+# Prompts run in chunks of this many tokens: bounded scratch, and chunking
+# changes no result (the state carries over exactly).
+DEF PREFILL_CHUNK = 256
+# Columns per work item of the shared.proj products and of the recurrence.
+DEF COLS = 64
+# Below this many multiply-adds the shared.proj products stay on one thread.
+DEF PARALLEL_MIN_WORK = 32768
+
+
+# ----------------------------------------------------------------- model ---
+
+cdef struct Layer:
+    cism_mat k, v, r, out      # (d_model, d_model), protected storage
+    cism_mat ffn0              # (ffn, d_model), 4-bit in the hybrids
+    cism_mat ffn2              # (d_model, ffn), 4-bit in the hybrids
+    const float *decay         # (d_model,) clamp(sigmoid(w), wkv_floor, 0.999)
+    const float *norm_wkv_w    # (d_model,) LayerNorm after the WKV residual
+    const float *norm_wkv_b
+    const float *norm_ffn_w    # (d_model,) LayerNorm after the FFN residual
+    const float *norm_ffn_b
+
+
+cdef struct ModelC:
+    size_t d, e, ffn, layers, vocab, context
+    Layer *layer
+    cism_mat shared            # (vocab, d_emb): embedding rows and the tied head
+    const float *proj          # (d_model, d_emb) shared.proj, always fp32
+    const float *norm_w        # (d_model,) final LayerNorm
+    const float *norm_b
+    int threads
+    bint act_q8
+
+
+cdef class FwkvModel:
+    """FWKV weights packed for inference.
+
+    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
+    with ``weights`` a mapping of the published tensor names to float arrays.
+    The four WKV projections and the shared embedding/head are stored at the
+    protected precision (fp32, fp16, or int8 for int8 and both hybrids);
+    ffn.0/ffn.2 go to int4 or fp4 in the hybrids. shared.proj, the decays and
+    the LayerNorms stay fp32.
+    """
+    cdef ModelC c
+    cdef readonly object config
+    cdef str precision_
+    cdef list keep                 # Matrix objects and arrays the C pointers point into
+    cdef dict matrices
+    cdef size_t weight_bytes_
+    cdef str compile_key_
+    cdef bint pages_locked_
+    cdef object lock_
+    cdef uint64_t sink_
+    cdef public object source      # the Checkpoint a model was loaded from, if any
+
+    def __cinit__(self):
+        memset(&self.c, 0, sizeof(ModelC))
+
+    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
+        from cism.fwkv import Config, weight_shapes
+        cls_config = getattr(type(self), "config_class", None) or Config
+        if not isinstance(config, cls_config):
+            raise ValueError(f"config must be a cism.fwkv.Config, got {type(config).__name__}")
+        if precision not in PRECISIONS:
+            raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, or hybrid-fp4, "
+                             f"got {precision!r}")
+        if act_precision not in ("fp32", "int8"):
+            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+        if not hasattr(weights, "keys") or not hasattr(weights, "__getitem__"):
+            raise ValueError("weights must be a mapping of tensor names to float arrays")
+        self.config = config
+        self.precision_ = precision
+        self.lock_ = threading.Lock()
+        self.source = None
+        nthreads = resolve_threads(threads)
+        shapes = weight_shapes(config)
+        names = set(weights.keys())
+        unexpected = sorted(names - set(shapes))
+        missing = sorted(set(shapes) - names)
+        if unexpected or missing:
+            parts = []
+            if missing:
+                parts.append("missing " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+            if unexpected:
+                parts.append("unexpected " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
+            raise ValueError("unexpected or missing weights: " + "; ".join(parts))
+        arrays = {}
+        for name, shape in shapes.items():
+            arrays[name] = _weight_array(weights[name], name, shape)
+        protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
+        mlp = {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
+
+        self.keep = []
+        self.matrices = {}
+        self.weight_bytes_ = 0
+        c = config
+        self.c.d = c.d_model
+        self.c.e = c.d_emb
+        self.c.ffn = c.d_model * c.ffn_mult
+        self.c.layers = c.layers
+        self.c.vocab = c.vocab
+        self.c.context = c.context
+        self.c.threads = nthreads
+        self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
+        if self.c.layer == NULL:
+            raise MemoryError("cannot allocate the layer table")
+
+        # One packed copy serves the embedding gather and the tied head (the
+        # spec builds two identical copies; one is read per token either way).
+        self.c.shared = self._matrix("shared.weight", arrays, protected)[0]
+        self.c.proj = self._vector("shared.proj.weight", arrays)
+        self.c.norm_w = self._vector("norm.weight", arrays)
+        self.c.norm_b = self._vector("norm.bias", arrays)
+        floor = np.float32(c.wkv_floor)
+        cdef Layer *L
+        for i in range(c.layers):
+            p = f"blocks.{i}."
+            L = &self.c.layer[i]
+            L.k = self._matrix(p + "proj_k.weight", arrays, protected)[0]
+            L.v = self._matrix(p + "proj_v.weight", arrays, protected)[0]
+            L.r = self._matrix(p + "proj_r.weight", arrays, protected)[0]
+            L.out = self._matrix(p + "proj_out.weight", arrays, protected)[0]
+            L.ffn0 = self._matrix(p + "ffn.0.weight", arrays, mlp)[0]
+            L.ffn2 = self._matrix(p + "ffn.2.weight", arrays, mlp)[0]
+            # the decay depends on the weights only: once here, not per token
+            arrays[p + "w"] = np.minimum(np.maximum(_kernels.activation("sigmoid", arrays[p + "w"]),
+                                                    floor), np.float32(0.999))
+            L.decay = self._vector(p + "w", arrays)
+            L.norm_wkv_w = self._vector(p + "norm_wkv.weight", arrays)
+            L.norm_wkv_b = self._vector(p + "norm_wkv.bias", arrays)
+            L.norm_ffn_w = self._vector(p + "norm_ffn.weight", arrays)
+            L.norm_ffn_b = self._vector(p + "norm_ffn.bias", arrays)
+            for suffix in ("proj_k.weight", "proj_v.weight", "proj_r.weight", "proj_out.weight",
+                           "ffn.0.weight", "ffn.2.weight"):
+                arrays.pop(p + suffix, None)   # the packed copies hold everything
+        self.set_act_precision(act_precision)
+
+    cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
+        cdef Matrix m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
+        self.keep.append(m)
+        self.matrices[name] = m
+        self.weight_bytes_ += m.nbytes
+        return &m.mat
+
+    cdef const float* _vector(self, name, dict arrays) except NULL:
+        cdef cnp.ndarray a = np.ascontiguousarray(arrays[name], dtype=np.float32).copy()
+        self.keep.append(a)
+        self.weight_bytes_ += a.nbytes
+        return <const float*>cnp.PyArray_DATA(a)
+
+    def __dealloc__(self):
+        free(self.c.layer)
+
+    # ---- properties ----
+
+    @property
+    def precision(self):
+        return self.precision_
+
+    @property
+    def act_precision(self):
+        return "int8" if self.c.act_q8 else "fp32"
+
+    def set_act_precision(self, act_precision):
+        """``"fp32"`` keeps float activations; ``"int8"`` quantizes them per
+        32-element block for the integer kernels. Not while sessions run."""
+        if act_precision not in ("fp32", "int8"):
+            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+        self.c.act_q8 = act_precision == "int8"
+        for m in self.matrices.values():
+            (<Matrix>m).act_q8 = self.c.act_q8
+        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
+                         str(self.c.threads), _kernels.isa(), CODE_VERSION])
+        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def thread_count(self):
+        return self.c.threads
+
+    @property
+    def weight_bytes(self):
+        """Bytes of packed matrices, scales, shared.proj, decays and norms
+        (what decode streams per token)."""
+        return self.weight_bytes_
+
+    @property
+    def compile_key(self):
+        """Stable hash of shape, precisions, thread count, kernel variant and code version."""
+        return self.compile_key_
+
+    @property
+    def compile_canonical(self):
+        return self.config.canonical()
+
+    @property
+    def pages_locked(self):
+        return self.pages_locked_
+
+    def matrix(self, name):
+        """The packed Matrix behind a tensor name (for inspection)."""
+        try:
+            return self.matrices[name]
+        except KeyError:
+            raise ValueError(f"no matrix named {name!r}") from None
+
+    # ---- weight memory ----
+
+    def _regions(self):
+        cdef Matrix m
+        out = []
+        for obj in self.keep:
+            if isinstance(obj, Matrix):
+                m = obj
+                out.append((<size_t>m.codes_buf, m.mat.rows * m.mat.row_bytes))
+                if m.scales_buf != NULL:
+                    out.append((<size_t>m.scales_buf, m.mat.rows * sizeof(float)))
+            else:
+                out.append((obj.ctypes.data, obj.nbytes))
+        return out
+
+    def lock_pages(self):
+        """mlock the weights; returns the bytes actually locked (Linux may lock
+        less than asked under RLIMIT_MEMLOCK; that is reported, not raised)."""
+        with self.lock_:
+            if self.pages_locked_:
+                raise ValueError("weight pages are already locked")
+            locked = 0
+            for addr, n in self._regions():
+                if n and mlock(<void*><size_t>addr, n) == 0:
+                    locked += n
+            self.pages_locked_ = True
+            return locked
+
+    def unlock_pages(self):
+        with self.lock_:
+            if not self.pages_locked_:
+                raise ValueError("weight pages are not locked")
+            unlocked = 0
+            for addr, n in self._regions():
+                if n and munlock(<void*><size_t>addr, n) == 0:
+                    unlocked += n
+            self.pages_locked_ = False
+            return unlocked
+
+    def touch(self):
+        """Read every cache line of the weights once (residency refresh); returns bytes."""
+        cdef uint64_t sink = 0
+        cdef size_t a, n
+        total = 0
+        for addr, size in self._regions():
+            a = addr
+            n = size
+            with nogil:
+                sink += cism_touch(<const void*>a, n)
+            total += n
+        self.sink_ += sink
+        return total
+
+    def scan(self):
+        """Stream all weights with the model's threads (a bandwidth probe);
+        returns the bytes read."""
+        regions = self._regions()
+        cdef size_t count = len(regions), i, c, nchunks = 0
+        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 3 + 8)
+        if addr == NULL:
+            raise MemoryError
+        cdef size_t *size = addr + count
+        cdef size_t *first = size + count
+        total = 0
+        for i in range(count):
+            addr[i], size[i] = regions[i]
+            first[i] = nchunks
+            nchunks += (size[i] + (1 << 20) - 1) >> 20
+            total += size[i]
+        cdef uint64_t sink = 0
+        cdef size_t r, off, n
+        with nogil:
+            for c in prange(nchunks, num_threads=self.c.threads, schedule='static'):
+                r = 0
+                while r + 1 < count and first[r + 1] <= c:
+                    r = r + 1
+                off = (c - first[r]) << 20
+                n = size[r] - off
+                if n > (1 << 20):
+                    n = 1 << 20
+                sink += cism_scan(<const void*>(addr[r] + off), n)
+        free(addr)
+        self.sink_ += sink
+        return total
+
+    # ---- sessions and one-shot evaluation ----
+
+    def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                       seed=0, eos=()):
+        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos)
+
+    def logits(self, prompt):
+        """Next-token logits after the prompt, float32 (vocab,)."""
+        s = Session(self, prompt, 0, 0.0, 1.0, 0, 0, ())
+        s._prefill_now()
+        return s.last_logits
+
+    def nll(self, tokens):
+        """Mean negative log-likelihood of tokens[1:] given the tokens before
+        (teacher forcing from a zero state), in one pass."""
+        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
+
+    def logits_all(self, tokens):
+        """Logits after every prefix of tokens, float32 (T, vocab): row i is
+        the distribution for token i+1 (for perplexity and KL evaluations)."""
+        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
+
+    def __repr__(self):
+        c = self.config
+        return (f"{type(self).__name__}(fwkv, layers={c.layers}, d_model={c.d_model}, "
+                f"d_emb={c.d_emb}, precision={self.precision_!r}, "
+                f"act_precision={self.act_precision!r}, threads={self.c.threads}, "
+                f"weight_bytes={self.weight_bytes_})")
+
+
+# ----------------------------------------------------------- forward pass ---
+
+cdef struct Work:
+    # token-major scratch for up to tokens_cap tokens
+    float *x        # (T, d_model) residual stream
+    float *k        # (T, d_model)
+    float *v        # (T, d_model)
+    float *r        # (T, d_model) receptance, sigmoid applied in place
+    float *g        # (T, d_model) r * s, proj_out's input
+    float *o        # (T, d_model) proj_out / ffn.2 output
+    float *f        # (T, ffn) FFN hidden layer
+    float *emb      # (T, d_emb) embedding rows; later the head's inputs
+    float *h        # (T, d_model) final-normed rows that need logits
+    size_t tokens_cap
+    Scratch qs
+
+
+cdef int grow_f(float **p, size_t n) noexcept nogil:
+    cdef float *q = <float*>realloc(p[0], n * sizeof(float) + 64)
+    if q == NULL:
+        return -1
+    p[0] = q
+    return 0
+
+
+cdef int work_reserve(Work *w, const ModelC *m, size_t T) noexcept nogil:
+    if T <= w.tokens_cap:
+        return 0
+    if (grow_f(&w.x, T * m.d) or grow_f(&w.k, T * m.d) or grow_f(&w.v, T * m.d)
+            or grow_f(&w.r, T * m.d) or grow_f(&w.g, T * m.d) or grow_f(&w.o, T * m.d)
+            or grow_f(&w.f, T * m.ffn) or grow_f(&w.emb, T * m.e) or grow_f(&w.h, T * m.d)):
+        return -1
+    w.tokens_cap = T
+    return 0
+
+
+cdef void work_free(Work *w) noexcept nogil:
+    free(w.x); free(w.k); free(w.v); free(w.r); free(w.g); free(w.o); free(w.f)
+    free(w.emb); free(w.h)
+    scratch_free(&w.qs)
+    memset(w, 0, sizeof(Work))
+
+
+cdef inline void proj_in(const ModelC *m, const float *emb, float *x, size_t chunk) noexcept nogil:
+    """Rows [chunk*COLS, +COLS) of x = shared.proj @ emb: fp32 weights, double
+    accumulation in column order (the spec's arithmetic). Four rows at a time
+    keep four independent sums in flight (one chain per row stalls on the
+    add latency); each row's order of operations is unchanged."""
+    cdef size_t e = m.e, i, j
+    cdef size_t r0 = chunk * COLS
+    cdef size_t r1 = r0 + COLS if r0 + COLS < m.d else m.d
+    cdef const float *p0
+    cdef const float *p1
+    cdef const float *p2
+    cdef const float *p3
+    cdef double a0, a1, a2, a3, ej
+    i = r0
+    while i + 4 <= r1:
+        p0 = m.proj + i * e
+        p1 = p0 + e
+        p2 = p1 + e
+        p3 = p2 + e
+        a0 = 0
+        a1 = 0
+        a2 = 0
+        a3 = 0
+        for j in range(e):
+            ej = emb[j]
+            a0 += <double>p0[j] * ej
+            a1 += <double>p1[j] * ej
+            a2 += <double>p2[j] * ej
+            a3 += <double>p3[j] * ej
+        x[i] = <float>a0
+        x[i + 1] = <float>a1
+        x[i + 2] = <float>a2
+        x[i + 3] = <float>a3
+        i += 4
+    while i < r1:
+        p0 = m.proj + i * e
+        a0 = 0
+        for j in range(e):
+            a0 += <double>p0[j] * emb[j]
+        x[i] = <float>a0
+        i += 1
+
+
+cdef inline void proj_back(const ModelC *m, const float *h, float *out, size_t chunk) noexcept nogil:
+    """Columns [chunk*COLS, +COLS) of out = shared.projᵀ @ h: the same double
+    sums over rows in order as the spec, kept in COLS accumulators so that
+    shared.proj is read row by row."""
+    cdef size_t e = m.e, i, j
+    cdef size_t c0 = chunk * COLS
+    cdef size_t n = COLS if c0 + COLS < e else e - c0
+    cdef double acc[COLS]
+    cdef const float *row
+    cdef double hi
+    for j in range(n):
+        acc[j] = 0
+    for i in range(m.d):
+        row = m.proj + i * e + c0
+        hi = h[i]
+        for j in range(n):
+            acc[j] += <double>row[j] * hi
+    for j in range(n):
+        out[c0 + j] = <float>acc[j]
+
+
+cdef inline void layer_norm(const float *x, float *out, const float *weight, const float *bias,
+                            size_t n) noexcept nogil:
+    # nn.LayerNorm, eps 1e-5: mean and biased variance in double, one float
+    # scale (in place is fine: out[i] only after x[i] was read for the last time)
+    cdef double mean = 0, var = 0, dev
+    cdef size_t i
+    cdef float eps = 1e-5, one = 1, mu, inv
+    for i in range(n):
+        mean += x[i]
+    mean /= <double>n
+    for i in range(n):
+        dev = <double>x[i] - mean
+        var += dev * dev
+    var /= <double>n
+    mu = <float>mean
+    inv = one / sqrtf(<float>var + eps)
+    for i in range(n):
+        out[i] = ((x[i] - mu) * inv) * weight[i] + bias[i]
+
+
+cdef inline void residual_norm(float *x, const float *y, const float *weight, const float *bias,
+                               size_t n) noexcept nogil:
+    """x = LayerNorm(x + 0.1 y): the 0.1-scaled residual, post-norm."""
+    cdef float tenth = 0.1
+    cdef size_t i
+    for i in range(n):
+        x[i] = x[i] + tenth * y[i]
+    layer_norm(x, x, weight, bias, n)
+
+
+cdef inline void wkv_columns(const cism_kernels *K, const float *decay, Work *w, float *s,
+                             float *snaps, size_t snap_stride, size_t d, size_t T,
+                             size_t chunk) noexcept nogil:
+    """Columns [chunk*COLS, +COLS) of the WKV recurrence over the T tokens in
+    order: r = sigmoid(r), s = k*v + W*s, g = r*s. snaps (if any) receives s
+    after each token, token t at snaps + t*snap_stride."""
+    cdef size_t i0 = chunk * COLS
+    cdef size_t n = COLS if i0 + COLS < d else d - i0
+    cdef size_t t, i
+    cdef const float *k
+    cdef const float *v
+    cdef float *r
+    cdef float *g
+    cdef float *si = s + i0
+    cdef const float *W = decay + i0
+    for t in range(T):
+        k = w.k + t * d + i0
+        v = w.v + t * d + i0
+        r = w.r + t * d + i0
+        g = w.g + t * d + i0
+        K.sigmoid(r, r, n)
+        for i in range(n):
+            si[i] = k[i] * v[i] + W[i] * si[i]
+            g[i] = r[i] * si[i]
+        if snaps != NULL:
+            memcpy(snaps + t * snap_stride + i0, si, n * sizeof(float))
+
+
+cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, float *state,
+                 float *snaps, size_t first_out, float *logits, const int *cancel) noexcept nogil:
+    """Run T tokens from the WKV state (layers, d_model), updating it. Rows
+    first_out..T-1 get logits (T - first_out, vocab); snaps, if given,
+    receives the whole state after each token (T, layers, d_model).
+    Returns OK, CANCELLED, NOMEM or NONFINITE."""
+    cdef const cism_kernels *K = kernel_table()
+    cdef size_t d = m.d, e = m.e, F = m.ffn, V = m.vocab, L = m.layers
+    cdef size_t n_out = T - first_out
+    cdef size_t d_chunks = cism_div_up(d, COLS), e_chunks = cism_div_up(e, COLS)
+    cdef int nt = m.threads
+    cdef int ntT = nt if T > 1 else 1
+    cdef int ntO = nt if n_out > 1 else 1
+    cdef int ntP = nt if T * d * e >= PARALLEL_MIN_WORK else 1
+    cdef int ntQ = nt if n_out * d * e >= PARALLEL_MIN_WORK else 1
+    cdef size_t t, l, c, i
+    cdef const Layer *Ly
+    cdef const cism_mat *mats[3]
+    cdef float *outs[3]
+    cdef size_t lds[3]
+    cdef bint q8 = m.act_q8
+    if work_reserve(w, m, T) != 0:
+        return NOMEM
+    # factorized embedding: a d_emb row of shared.weight, up to d_model by shared.proj
+    for t in prange(T, num_threads=ntT, schedule='static'):
+        mat_row(&m.shared, <size_t>tokens[t], w.emb + t * e)
+    for c in prange(T * d_chunks, num_threads=ntP, schedule='static'):
+        proj_in(m, w.emb + (c // d_chunks) * e, w.x + (c // d_chunks) * d, c % d_chunks)
+    for l in range(L):
+        if cism_flag_get(cancel):
+            return CANCELLED
+        Ly = &m.layer[l]
+        # k, v and receptance projections of all T tokens in one pass over their rows
+        mats[0] = &Ly.k
+        mats[1] = &Ly.v
+        mats[2] = &Ly.r
+        outs[0] = w.k
+        outs[1] = w.v
+        outs[2] = w.r
+        lds[0] = d
+        lds[1] = d
+        lds[2] = d
+        if gemm_multi(mats, outs, lds, 3, q8, w.x, d, T, &w.qs, nt) != 0:
+            return NOMEM
+        # WKV recurrence in token order; columns are independent
+        for c in prange(d_chunks, num_threads=ntT, schedule='static'):
+            wkv_columns(K, Ly.decay, w, state + l * d, snaps + l * d if snaps != NULL else NULL,
+                        L * d, d, T, c)
+        # proj_out of r*s for all T tokens at once, 0.1-scaled residual, LayerNorm
+        if gemm1(&Ly.out, q8, w.g, d, T, w.o, d, &w.qs, nt) != 0:
+            return NOMEM
+        for t in prange(T, num_threads=ntT, schedule='static'):
+            residual_norm(w.x + t * d, w.o + t * d, Ly.norm_wkv_w, Ly.norm_wkv_b, d)
+        # FFN with exact (erf) GELU, 0.1-scaled residual, LayerNorm
+        if gemm1(&Ly.ffn0, q8, w.x, d, T, w.f, F, &w.qs, nt) != 0:
+            return NOMEM
+        for t in prange(T, num_threads=ntT, schedule='static'):
+            K.gelu(w.f + t * F, w.f + t * F, F)
+        if gemm1(&Ly.ffn2, q8, w.f, F, T, w.o, d, &w.qs, nt) != 0:
+            return NOMEM
+        for t in prange(T, num_threads=ntT, schedule='static'):
+            residual_norm(w.x + t * d, w.o + t * d, Ly.norm_ffn_w, Ly.norm_ffn_b, d)
+    if n_out == 0:
+        return OK
+    # final LayerNorm, back to d_emb with shared.projᵀ, tied head (rows with logits only)
+    for i in prange(n_out, num_threads=ntO, schedule='static'):
+        layer_norm(w.x + (first_out + i) * d, w.h + i * d, m.norm_w, m.norm_b, d)
+    for c in prange(n_out * e_chunks, num_threads=ntQ, schedule='static'):
+        proj_back(m, w.h + (c // e_chunks) * d, w.emb + (c // e_chunks) * e, c % e_chunks)
+    if gemm1(&m.shared, q8, w.emb, e, n_out, logits, V, &w.qs, nt) != 0:
+        return NOMEM
+    for i in range(n_out * V):
+        if not isfinite(logits[i]):
+            return NONFINITE
+    return OK
+
+
+# --------------------------------------------------------------- sessions ---
+
+cdef class Session:
+    """One generation over an FWKV model. Its memory is the WKV state
+    ``(layers, d_model)``, whatever the length. Calls on one session run one
+    at a time (from any thread); ``cancel()`` is safe at any moment."""
+    cdef FwkvModel model
+    cdef const ModelC *m
+    cdef int64_t *prompt            # tokens not yet run (prefilled on first use)
+    cdef size_t prompt_len
+    cdef int64_t *history_          # tokens the state has absorbed, in order
+    cdef size_t hist_len
+    cdef size_t capacity_, position_, generated, max_new
+    cdef float *state_              # (layers, d_model)
+    cdef float *logits              # (vocab,) distribution for the next token
+    cdef bint have_logits
+    cdef cism_mt64 rng
+    cdef cism_sampler sampler
+    cdef int finish
+    cdef Params p
+    cdef Work w
+    cdef float *block_logits        # (ncand, vocab) during verification
+    cdef float *snaps               # (ncand + 1, layers, d_model): [0] before the block,
+                                    # [t + 1] after candidate t
+    cdef size_t block_cap
+    cdef size_t block_pos           # position before the verification block
+    cdef int cancelled
+    cdef size_t spec_proposed, spec_accepted
+    cdef int64_t emitted[MAX_K + 1]
+    cdef int64_t cands[MAX_K]
+    cdef object lock
+
+    def __cinit__(self):
+        self.prompt = NULL
+        self.history_ = NULL
+        self.state_ = NULL
+        self.logits = NULL
+        self.block_logits = NULL
+        self.snaps = NULL
+        memset(&self.p, 0, sizeof(Params))
+        memset(&self.w, 0, sizeof(Work))
+        memset(&self.sampler, 0, sizeof(cism_sampler))
+
+    def __init__(self, FwkvModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
+                 top_k=0, seed=0, eos=()):
+        self.model = model
+        self.m = &model.c
+        p = as_tokens(prompt, model.c.vocab)
+        max_new = check_count(max_new_tokens, "max_new_tokens")
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
+        seed = check_seed(seed)
+        if len(p) + max_new > model.c.context:
+            raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                             f"({len(p)} + {max_new} > {model.c.context})")
+        # (the spec's 8 GiB state limit cannot bind: the bounds cap the state at 4 MiB)
+        self.capacity_ = len(p) + max_new
+        self.max_new = max_new
+        self.prompt = <int64_t*>malloc((len(p) + 1) * sizeof(int64_t))
+        self.history_ = <int64_t*>malloc((self.capacity_ + 1) * sizeof(int64_t))
+        self.state_ = <float*>calloc(model.c.layers * model.c.d, sizeof(float))
+        self.logits = <float*>malloc(model.c.vocab * sizeof(float))
+        if self.prompt == NULL or self.history_ == NULL or self.state_ == NULL or self.logits == NULL:
+            raise MemoryError("cannot allocate session state")
+        memcpy(self.prompt, cnp.PyArray_DATA(p), len(p) * sizeof(int64_t))
+        self.prompt_len = len(p)
+        rng_seed(&self.rng, seed)
+        self.finish = LENGTH if max_new == 0 else RUNNING
+        self.lock = threading.Lock()
+
+    def __dealloc__(self):
+        free(self.prompt)
+        free(self.history_)
+        free(self.state_)
+        free(self.logits)
+        free(self.block_logits)
+        free(self.snaps)
+        free(self.p.eos)
+        sampler_free(&self.sampler)
+        work_free(&self.w)
+
+    # ---- nogil core ----
+
+    cdef int run(self, const int64_t *tokens, size_t T, float *rows, float *snaps) noexcept nogil:
+        """Forward T tokens from the current state, in chunks. rows == NULL:
+        the last token's logits go to self.logits; else every token's logits
+        go to rows (T, vocab) and self.logits is left alone. snaps, if given,
+        receives the state after each token (T, layers, d_model)."""
+        cdef size_t start = 0, n, vocab = self.m.vocab, S = self.m.layers * self.m.d
+        cdef int rc
+        while start < T:
+            n = T - start
+            if n > PREFILL_CHUNK:
+                n = PREFILL_CHUNK
+            if rows != NULL:
+                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
+                             snaps + start * S if snaps != NULL else NULL, 0,
+                             rows + start * vocab, &self.cancelled)
+            elif start + n == T:
+                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
+                             snaps + start * S if snaps != NULL else NULL, n - 1,
+                             self.logits, &self.cancelled)
+            else:
+                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
+                             snaps + start * S if snaps != NULL else NULL, n, NULL,
+                             &self.cancelled)
+            if rc != OK:
+                return rc
+            self.position_ += n
+            start += n
+        if rows == NULL and T > 0:
+            self.have_logits = True
+        return OK
+
+    cdef int prefill(self) noexcept nogil:
+        cdef int rc
+        if self.prompt_len == 0:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        rc = self.run(self.prompt, self.prompt_len, NULL, NULL)
+        if rc != OK:
+            return rc
+        memcpy(self.history_ + self.hist_len, self.prompt, self.prompt_len * sizeof(int64_t))
+        self.hist_len += self.prompt_len
+        self.prompt_len = 0
+        return OK
+
+    cdef int verify_block(self, size_t ncand, size_t *n_emitted, bint *blocked) noexcept nogil:
+        """Greedy verification of cands[:ncand]: emit the head token; when it
+        equals the first candidate, forward all candidates as one block
+        (saving the state before it and after each token), accept the
+        argmax-matching prefix and add the correction (or bonus) token.
+        Respects the budget. The state is left after the whole block;
+        step() then rewinds it to the emitted prefix."""
+        cdef size_t allowed = self.max_new - self.generated
+        cdef size_t accepted = 0, n = 0, vocab = self.m.vocab
+        cdef size_t S = self.m.layers * self.m.d
+        cdef int rc
+        n_emitted[0] = 0
+        blocked[0] = False
+        if allowed == 0:
+            return OK
+        self.spec_proposed += ncand
+        self.emitted[0] = <int64_t>argmax(self.logits, vocab)
+        n = 1
+        if allowed > 1 and self.emitted[0] == self.cands[0]:
+            accepted = 1
+            if ncand > self.block_cap:
+                if grow_f(&self.block_logits, ncand * vocab) or grow_f(&self.snaps, (ncand + 1) * S):
+                    return NOMEM
+                self.block_cap = ncand
+            # the recurrence overwrites the state: checkpoint it, and keep the
+            # state after every candidate so a partial reject needs no replay
+            memcpy(self.snaps, self.state_, S * sizeof(float))
+            self.block_pos = self.position_
+            blocked[0] = True
+            rc = self.run(self.cands, ncand, self.block_logits, self.snaps + S)
+            if rc != OK:
+                self.spec_accepted += accepted
+                n_emitted[0] = n
+                return rc
+            while accepted < ncand and n < allowed:
+                if <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab) != self.cands[accepted]:
+                    break
+                self.emitted[n] = self.cands[accepted]
+                n += 1
+                accepted += 1
+            if n < allowed:
+                self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
+                n += 1
+            self.spec_accepted += accepted
+        n_emitted[0] = n
+        return OK
+
+    cdef void rewind(self, size_t j) noexcept nogil:
+        """After a verification block: the state, logits and position plain
+        decoding has when it is about to run emitted[j], i.e. after
+        emitted[:j] == cands[:j] (j <= accepted <= ncand)."""
+        cdef size_t S = self.m.layers * self.m.d, vocab = self.m.vocab
+        memcpy(self.state_, self.snaps + j * S, S * sizeof(float))
+        if j > 0:
+            memcpy(self.logits, self.block_logits + (j - 1) * vocab, vocab * sizeof(float))
+        self.position_ = self.block_pos + j
+
+    cdef int step(self, size_t ncand, int64_t *out, size_t *produced) noexcept nogil:
+        """One decoding step: sample (or verify ncand drafts), account the
+        emitted tokens, forward the last one unless the session finished.
+        Afterwards the state, logits, position and history are exactly those
+        of plain decoding after the same tokens."""
+        cdef size_t n = 0, i, j = 0
+        cdef bint blocked = False
+        cdef int64_t tok
+        cdef int rc = OK
+        if ncand >= 1:
+            rc = self.verify_block(ncand, &n, &blocked)
+        else:
+            tok = sample_token(self.logits, self.m.vocab, self.p.temperature, self.p.top_p,
+                               self.p.top_k, &self.rng, &self.sampler)
+            if tok < 0:
+                return NOMEM
+            self.emitted[0] = tok
+            n = 1
+        for i in range(n):
+            out[produced[0]] = self.emitted[i]
+            produced[0] += 1
+            j = i
+            self.generated += 1
+            if params_eos(&self.p, self.emitted[i]):
+                self.finish = STOP
+            elif self.generated == self.max_new:
+                self.finish = LENGTH
+            if self.finish != RUNNING:
+                break
+        if rc != OK:
+            return rc
+        if blocked:
+            self.rewind(j)
+        # emitted[:j] are in the state now; a finished session never runs its last token
+        memcpy(self.history_ + self.hist_len, self.emitted, j * sizeof(int64_t))
+        self.hist_len += j
+        if self.finish != RUNNING:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        rc = self.run(&self.emitted[j], 1, NULL, NULL)
+        if rc != OK:
+            return rc
+        self.history_[self.hist_len] = self.emitted[j]
+        self.hist_len += 1
+        return OK
+
+    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
+        cdef size_t budget, k, ncand
+        cdef int rc
+        produced[0] = 0
+        if self.finish != RUNNING or wanted == 0:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        rc = self.prefill()
+        if rc != OK:
+            return rc
+        while produced[0] < wanted:
+            if cism_flag_get(&self.cancelled):
+                return CANCELLED
+            budget = wanted - produced[0]
+            ncand = 0
+            if spec_k >= 2:
+                k = spec_k if spec_k < budget - 1 else budget - 1
+                ncand = draft_tokens(self.history_, self.hist_len, k, self.cands)
+                if ncand < 2:
+                    ncand = 0  # too short to pay for a verification block
+            rc = self.step(ncand, out, produced)
+            if rc != OK or self.finish != RUNNING:
+                return rc
+        return OK
+
+    # ---- Python API ----
+
+    cdef object finish_call(self, int rc):
+        """Turn a return code into session state (and an exception on failure:
+        a failed forward leaves a half-updated state, so the session is done)."""
+        if rc == OK:
+            return
+        if self.finish == RUNNING:
+            self.finish = CANCEL
+        cism_flag_set(&self.cancelled, 1)
+        raise_for(rc)
+
+    def next_tokens(self, count, spec_k=0):
+        """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
+        speculation (greedy only); the tokens are identical either way."""
+        count = check_count(count, "count")
+        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, self.p.temperature)
+        cdef int rc
+        cdef int64_t *buf
+        with self.lock:
+            wanted = min(count, self.max_new - self.generated)
+            out = np.empty(wanted + 1, np.int64)
+            buf = <int64_t*>cnp.PyArray_DATA(out)
+            with nogil:
+                rc = self.generate(wanted, k, buf, &produced)
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
+
+    def _prefill_now(self):
+        cdef int rc
+        with self.lock:
+            with nogil:
+                rc = self.prefill()
+            self.finish_call(rc)
+
+    def _nll(self):
+        """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
+        cdef size_t n = self.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
+        cdef int rc = OK
+        cdef double total = 0, lse
+        cdef float mx
+        cdef const float *row
+        cdef float *rows = NULL
+        if n < 2:
+            raise ValueError("nll requires at least 2 tokens")
+        with self.lock:
+            with nogil:
+                rows = <float*>malloc(PREFILL_CHUNK * vocab * sizeof(float))
+                if rows == NULL:
+                    rc = NOMEM
+                while rc == OK and start < n:
+                    T = n - start
+                    if T > PREFILL_CHUNK:
+                        T = PREFILL_CHUNK
+                    rc = self.run(self.prompt + start, T, rows, NULL)
+                    if rc != OK:
+                        break
+                    for i in range(T):
+                        if start + i + 1 >= n:
+                            break
+                        # log-sum-exp in double around the row maximum
+                        row = rows + i * vocab
+                        mx = row[0]
+                        for v in range(1, vocab):
+                            if row[v] > mx:
+                                mx = row[v]
+                        lse = 0
+                        for v in range(vocab):
+                            lse += exp(<double>row[v] - <double>mx)
+                        total += <double>mx + log(lse) - <double>row[self.prompt[start + i + 1]]
+                    start += T
+                free(rows)
+            self.finish_call(rc)
+            return total / (n - 1)
+
+    def _all_logits(self):
+        cdef size_t n = self.prompt_len
+        cdef int rc
+        out = np.empty((n, self.m.vocab), np.float32)
+        cdef float *rows = <float*>cnp.PyArray_DATA(out)
+        with self.lock:
+            with nogil:
+                rc = self.run(self.prompt, n, rows, NULL)
+            self.finish_call(rc)
+        return out
+
+    def draft(self, k):
+        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
+        k = min(check_count(k, "k"), MAX_K)
+        cdef int64_t buf[MAX_K]
+        with self.lock:
+            n = draft_tokens(self.history_, self.hist_len, k, buf)
+            return [buf[i] for i in range(n)]
+
+    def verify(self, candidates):
+        """Verify explicit draft tokens greedily and return the tokens emitted
+        (the accepted prefix plus the correction or bonus token), leaving the
+        session exactly as next_tokens would."""
+        if self.p.temperature != 0:
+            raise ValueError("verify needs greedy decoding (temperature 0)")
+        c = as_tokens(candidates, self.m.vocab, "candidates", True)
+        if len(c) > MAX_K:
+            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
+        cdef size_t produced = 0, n = len(c), i
+        cdef int rc = OK
+        out = np.empty(MAX_K + 1, np.int64)
+        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
+        with self.lock:
+            if n == 0 or self.finish != RUNNING:
+                return []
+            for i in range(n):
+                self.cands[i] = c[i]
+            with nogil:
+                if cism_flag_get(&self.cancelled):
+                    rc = CANCELLED
+                else:
+                    rc = self.prefill()
+                if rc == OK:
+                    rc = self.step(n, buf, &produced)
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
+
+    def spec_stats(self):
+        """(proposed, accepted) draft tokens over the session's life."""
+        return (self.spec_proposed, self.spec_accepted)
+
+    def cancel(self):
+        """Stop the session from any thread; it finishes with "cancelled"."""
+        cism_flag_set(&self.cancelled, 1)
+
+    @property
+    def finish_reason(self):
+        """"" while running, then "stop", "length" or "cancelled"."""
+        if self.finish == RUNNING and cism_flag_get(&self.cancelled):
+            return "cancelled"
+        return FINISH_NAMES[self.finish]
+
+    @property
+    def generated_tokens(self):
+        return self.generated
+
+    @property
+    def position(self):
+        """Tokens the state has absorbed."""
+        return self.position_
+
+    @property
+    def capacity(self):
+        return self.capacity_
+
+    @property
+    def history(self):
+        """Tokens the state has absorbed (prompt, then generated), in order."""
+        return [self.history_[i] for i in range(self.hist_len)]
+
+    @property
+    def state(self):
+        """A copy of the WKV state, float32 (layers, d_model); zeros before
+        the prompt has run."""
+        with self.lock:
+            out = np.empty((self.m.layers, self.m.d), np.float32)
+            memcpy(cnp.PyArray_DATA(out), self.state_, self.m.layers * self.m.d * sizeof(float))
+            return out
+
+    @property
+    def last_logits(self):
+        """Logits of the latest forward (the next token's distribution), or
+        None before the prompt has run."""
+        if not self.have_logits:
+            return None
+        return logits_copy(self.logits, self.m.vocab)
