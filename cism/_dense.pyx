@@ -17,9 +17,9 @@ from libc.math cimport sqrt, sqrtf, powf, cosf, sinf, exp, log, isfinite
 from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
-from posix.mman cimport mlock, munlock
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
+from cism._weights cimport WeightStore
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -31,13 +31,10 @@ from cism._common import FINISH_NAMES
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
 from cism._threads import resolve_threads
+from cism._weights import weight_array
 from cism.sampling import check_seed
 
 cnp.import_array()
-
-cdef extern from "memscan.h" nogil:
-    uint64_t cism_touch(const void *p, size_t n)
-    uint64_t cism_scan(const void *p, size_t n)
 
 PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 CODE_VERSION = "cism-dense-1"
@@ -78,7 +75,7 @@ cdef struct ModelC:
     bint act_q8
 
 
-cdef class DenseModel:
+cdef class DenseModel(WeightStore):
     """Dense Llama/Qwen3 weights packed for inference.
 
     ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
@@ -87,15 +84,9 @@ cdef class DenseModel:
     cdef ModelC c
     cdef readonly object config
     cdef str precision_
-    cdef list keep                 # Matrix objects and norm arrays the C pointers point into
     cdef list rope_keep            # inv_freq and the rotary tables (not weights)
-    cdef dict matrices
-    cdef size_t weight_bytes_
     cdef str compile_key_
-    cdef bint pages_locked_
-    cdef object lock_                # guards lock/unlock and the paged pool
     cdef object paged_state
-    cdef uint64_t sink_
     cdef object kv_budget_         # bytes all KV caches of this model may take (None: no budget)
     cdef size_t kv_reserved        # bytes reserved by live sessions and the paged pool
     cdef public object source      # the Checkpoint a model was loaded from, if any
@@ -119,7 +110,6 @@ cdef class DenseModel:
         from cism.dense import weight_shapes
         self.config = config
         self.precision_ = precision
-        self.lock_ = threading.Lock()
         self.paged_state = None
         self.source = None
         self.kv_budget_ = kv_budget_from_env()
@@ -138,16 +128,13 @@ cdef class DenseModel:
             raise ValueError("unexpected or missing weights: " + "; ".join(parts))
         arrays = {}
         for name, shape in shapes.items():
-            arrays[name] = _weight_array(weights[name], name, shape)
+            arrays[name] = weight_array(weights[name], name, shape)
         if config.tied and has_head:
             if not np.array_equal(arrays["lm_head.weight"], arrays["model.embed_tokens.weight"]):
                 raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
         protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
         mlp = {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
 
-        self.keep = []
-        self.matrices = {}
-        self.weight_bytes_ = 0
         c = config
         self.c.hidden = c.hidden
         self.c.inter = c.intermediate
@@ -162,6 +149,7 @@ cdef class DenseModel:
         self.c.eps = c.eps
         self.c.qwen3 = c.model_type == "qwen3"
         self.c.threads = nthreads
+        self.scan_threads = nthreads
         self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
@@ -197,22 +185,11 @@ cdef class DenseModel:
         self.set_act_precision(act_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m
-        try:
-            m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
-        except MemoryError:
-            rows, cols = arrays[name].shape
-            raise MemoryError(f"out of memory packing {name} ({rows}x{cols} as {storage}; "
-                              f"{self.weight_bytes_} bytes packed so far)") from None
-        self.keep.append(m)
-        self.matrices[name] = m
-        self.weight_bytes_ += m.nbytes
+        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
         return &m.mat
 
     cdef const float* _norm(self, name, dict arrays) except NULL:
-        cdef cnp.ndarray a = np.ascontiguousarray(arrays[name], dtype=np.float32).copy()
-        self.keep.append(a)
-        self.weight_bytes_ += a.nbytes
+        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
         return <const float*>cnp.PyArray_DATA(a)
 
     cdef _build_rope(self):
@@ -277,11 +254,6 @@ cdef class DenseModel:
         return self.c.threads
 
     @property
-    def weight_bytes(self):
-        """Bytes of packed weights, scales and norms (what decode streams per token)."""
-        return self.weight_bytes_
-
-    @property
     def compile_key(self):
         """Stable hash of shape, precisions, thread count, kernel variant and code version."""
         return self.compile_key_
@@ -289,102 +261,6 @@ cdef class DenseModel:
     @property
     def compile_canonical(self):
         return self.config.canonical()
-
-    @property
-    def pages_locked(self):
-        return self.pages_locked_
-
-    def matrix(self, name):
-        """The packed Matrix behind an HF tensor name (for inspection)."""
-        try:
-            return self.matrices[name]
-        except KeyError:
-            raise ValueError(f"no matrix named {name!r}") from None
-
-    # ---- weight memory ----
-
-    def _regions(self):
-        cdef Matrix m
-        out = []
-        for obj in self.keep:
-            if isinstance(obj, Matrix):
-                m = obj
-                out.append((<size_t>m.codes_buf, m.mat.rows * m.mat.row_bytes))
-                if m.scales_buf != NULL:
-                    out.append((<size_t>m.scales_buf, m.mat.rows * sizeof(float)))
-            else:
-                out.append((obj.ctypes.data, obj.nbytes))
-        return out
-
-    def lock_pages(self):
-        """mlock the weights; returns the bytes actually locked (Linux may lock
-        less than asked under RLIMIT_MEMLOCK; that is reported, not raised)."""
-        with self.lock_:
-            if self.pages_locked_:
-                raise ValueError("weight pages are already locked")
-            locked = 0
-            for addr, n in self._regions():
-                if n and mlock(<void*><size_t>addr, n) == 0:
-                    locked += n
-            self.pages_locked_ = True
-            return locked
-
-    def unlock_pages(self):
-        with self.lock_:
-            if not self.pages_locked_:
-                raise ValueError("weight pages are not locked")
-            unlocked = 0
-            for addr, n in self._regions():
-                if n and munlock(<void*><size_t>addr, n) == 0:
-                    unlocked += n
-            self.pages_locked_ = False
-            return unlocked
-
-    def touch(self):
-        """Read every cache line of the weights once (residency refresh); returns bytes."""
-        cdef uint64_t sink = 0
-        cdef size_t a, n
-        total = 0
-        for addr, size in self._regions():
-            a = addr
-            n = size
-            with nogil:
-                sink += cism_touch(<const void*>a, n)
-            total += n
-        self.sink_ += sink
-        return total
-
-    def scan(self):
-        """Stream all weights with the model's threads (a bandwidth probe);
-        returns the bytes read."""
-        regions = self._regions()
-        cdef size_t count = len(regions), i, c, nchunks = 0
-        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 3 + 8)
-        if addr == NULL:
-            raise MemoryError
-        cdef size_t *size = addr + count
-        cdef size_t *first = size + count
-        total = 0
-        for i in range(count):
-            addr[i], size[i] = regions[i]
-            first[i] = nchunks
-            nchunks += (size[i] + (1 << 20) - 1) >> 20
-            total += size[i]
-        cdef uint64_t sink = 0
-        cdef size_t r, off, n
-        with nogil:
-            for c in prange(nchunks, num_threads=self.c.threads, schedule='static'):
-                r = 0
-                while r + 1 < count and first[r + 1] <= c:
-                    r = r + 1
-                off = (c - first[r]) << 20
-                n = size[r] - off
-                if n > (1 << 20):
-                    n = 1 << 20
-                sink += cism_scan(<const void*>(addr[r] + off), n)
-        free(addr)
-        self.sink_ += sink
-        return total
 
     # ---- sessions and one-shot evaluation ----
 
@@ -578,20 +454,6 @@ def kv_budget_from_env():
     if value < 0:
         raise ValueError(f"CISM_KV_BUDGET must not be negative, got {text!r}")
     return value
-
-
-def _weight_array(value, name, shape):
-    if not isinstance(value, np.ndarray):
-        raise ValueError(f"weight {name} must be a numpy array, got {type(value).__name__}")
-    if value.dtype.kind != "f":
-        raise ValueError(f"weight {name} must be a float array, got dtype {value.dtype}")
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"missing or incorrectly sized weight: {name} "
-                         f"(expected shape {tuple(shape)}, got {tuple(value.shape)})")
-    a = np.ascontiguousarray(value, dtype=np.float32)
-    if not np.isfinite(a).all():
-        raise ValueError(f"non-finite weight: {name}")
-    return a
 
 
 # ----------------------------------------------------------- forward pass ---

@@ -19,27 +19,24 @@ from libc.math cimport sqrtf, exp, log, isfinite
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
-from posix.mman cimport mlock, munlock
 
 from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
+from cism._weights cimport WeightStore
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
-from cism.sampling cimport (cism_mt64, cism_sampler, rng_seed, argmax, sample_token,
+from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
-from cism._dense import _weight_array
+from cism._weights import weight_array
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
 cnp.import_array()
 
-cdef extern from "memscan.h" nogil:
-    uint64_t cism_touch(const void *p, size_t n)
-    uint64_t cism_scan(const void *p, size_t n)
 
 PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 CODE_VERSION = "cism-fwkv-1"
@@ -78,7 +75,7 @@ cdef struct ModelC:
     bint act_q8
 
 
-cdef class FwkvModel:
+cdef class FwkvModel(WeightStore):
     """FWKV weights packed for inference.
 
     ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
@@ -91,13 +88,7 @@ cdef class FwkvModel:
     cdef ModelC c
     cdef readonly object config
     cdef str precision_
-    cdef list keep                 # Matrix objects and arrays the C pointers point into
-    cdef dict matrices
-    cdef size_t weight_bytes_
     cdef str compile_key_
-    cdef bint pages_locked_
-    cdef object lock_
-    cdef uint64_t sink_
     cdef public object source      # the Checkpoint a model was loaded from, if any
 
     def __cinit__(self):
@@ -117,9 +108,9 @@ cdef class FwkvModel:
             raise ValueError("weights must be a mapping of tensor names to float arrays")
         self.config = config
         self.precision_ = precision
-        self.lock_ = threading.Lock()
         self.source = None
         nthreads = resolve_threads(threads)
+        self.scan_threads = nthreads
         shapes = weight_shapes(config)
         names = set(weights.keys())
         unexpected = sorted(names - set(shapes))
@@ -133,13 +124,10 @@ cdef class FwkvModel:
             raise ValueError("unexpected or missing weights: " + "; ".join(parts))
         arrays = {}
         for name, shape in shapes.items():
-            arrays[name] = _weight_array(weights[name], name, shape)
+            arrays[name] = weight_array(weights[name], name, shape)
         protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
         mlp = {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
 
-        self.keep = []
-        self.matrices = {}
-        self.weight_bytes_ = 0
         c = config
         self.c.d = c.d_model
         self.c.e = c.d_emb
@@ -183,16 +171,11 @@ cdef class FwkvModel:
         self.set_act_precision(act_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = Matrix(arrays[name], storage, threads=self.c.threads, check_finite=False)
-        self.keep.append(m)
-        self.matrices[name] = m
-        self.weight_bytes_ += m.nbytes
+        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
         return &m.mat
 
     cdef const float* _vector(self, name, dict arrays) except NULL:
-        cdef cnp.ndarray a = np.ascontiguousarray(arrays[name], dtype=np.float32).copy()
-        self.keep.append(a)
-        self.weight_bytes_ += a.nbytes
+        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
         return <const float*>cnp.PyArray_DATA(a)
 
     def __dealloc__(self):
@@ -225,12 +208,6 @@ cdef class FwkvModel:
         return self.c.threads
 
     @property
-    def weight_bytes(self):
-        """Bytes of packed matrices, scales, shared.proj, decays and norms
-        (what decode streams per token)."""
-        return self.weight_bytes_
-
-    @property
     def compile_key(self):
         """Stable hash of shape, precisions, thread count, kernel variant and code version."""
         return self.compile_key_
@@ -239,107 +216,14 @@ cdef class FwkvModel:
     def compile_canonical(self):
         return self.config.canonical()
 
-    @property
-    def pages_locked(self):
-        return self.pages_locked_
-
-    def matrix(self, name):
-        """The packed Matrix behind a tensor name (for inspection)."""
-        try:
-            return self.matrices[name]
-        except KeyError:
-            raise ValueError(f"no matrix named {name!r}") from None
-
-    # ---- weight memory ----
-
-    def _regions(self):
-        cdef Matrix m
-        out = []
-        for obj in self.keep:
-            if isinstance(obj, Matrix):
-                m = obj
-                out.append((<size_t>m.codes_buf, m.mat.rows * m.mat.row_bytes))
-                if m.scales_buf != NULL:
-                    out.append((<size_t>m.scales_buf, m.mat.rows * sizeof(float)))
-            else:
-                out.append((obj.ctypes.data, obj.nbytes))
-        return out
-
-    def lock_pages(self):
-        """mlock the weights; returns the bytes actually locked (Linux may lock
-        less than asked under RLIMIT_MEMLOCK; that is reported, not raised)."""
-        with self.lock_:
-            if self.pages_locked_:
-                raise ValueError("weight pages are already locked")
-            locked = 0
-            for addr, n in self._regions():
-                if n and mlock(<void*><size_t>addr, n) == 0:
-                    locked += n
-            self.pages_locked_ = True
-            return locked
-
-    def unlock_pages(self):
-        with self.lock_:
-            if not self.pages_locked_:
-                raise ValueError("weight pages are not locked")
-            unlocked = 0
-            for addr, n in self._regions():
-                if n and munlock(<void*><size_t>addr, n) == 0:
-                    unlocked += n
-            self.pages_locked_ = False
-            return unlocked
-
-    def touch(self):
-        """Read every cache line of the weights once (residency refresh); returns bytes."""
-        cdef uint64_t sink = 0
-        cdef size_t a, n
-        total = 0
-        for addr, size in self._regions():
-            a = addr
-            n = size
-            with nogil:
-                sink += cism_touch(<const void*>a, n)
-            total += n
-        self.sink_ += sink
-        return total
-
-    def scan(self):
-        """Stream all weights with the model's threads (a bandwidth probe);
-        returns the bytes read."""
-        regions = self._regions()
-        cdef size_t count = len(regions), i, c, nchunks = 0
-        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 3 + 8)
-        if addr == NULL:
-            raise MemoryError
-        cdef size_t *size = addr + count
-        cdef size_t *first = size + count
-        total = 0
-        for i in range(count):
-            addr[i], size[i] = regions[i]
-            first[i] = nchunks
-            nchunks += (size[i] + (1 << 20) - 1) >> 20
-            total += size[i]
-        cdef uint64_t sink = 0
-        cdef size_t r, off, n
-        with nogil:
-            for c in prange(nchunks, num_threads=self.c.threads, schedule='static'):
-                r = 0
-                while r + 1 < count and first[r + 1] <= c:
-                    r = r + 1
-                off = (c - first[r]) << 20
-                n = size[r] - off
-                if n > (1 << 20):
-                    n = 1 << 20
-                sink += cism_scan(<const void*>(addr[r] + off), n)
-        free(addr)
-        self.sink_ += sink
-        return total
-
     # ---- sessions and one-shot evaluation ----
 
     def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                       seed=0, eos=()):
-        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos)
+                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        """A generation with its own recurrent state. min_p and repetition_penalty
+        are extensions (off by default, leaving the spec's sampler bit-exact)."""
+        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                       min_p=min_p, repetition_penalty=repetition_penalty)
 
     def logits(self, prompt):
         """Next-token logits after the prompt, float32 (vocab,)."""
@@ -651,12 +535,12 @@ cdef class Session:
         memset(&self.sampler, 0, sizeof(cism_sampler))
 
     def __init__(self, FwkvModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=()):
+                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
         self.model = model
         self.m = &model.c
         p = as_tokens(prompt, model.c.vocab)
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos)
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
         seed = check_seed(seed)
         if len(p) + max_new > model.c.context:
             raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
@@ -720,7 +604,7 @@ cdef class Session:
             self.have_logits = True
         return OK
 
-    cdef int prefill(self) noexcept nogil:
+    cdef int run_prompt(self) noexcept nogil:
         cdef int rc
         if self.prompt_len == 0:
             return OK
@@ -800,11 +684,13 @@ cdef class Session:
         cdef bint blocked = False
         cdef int64_t tok
         cdef int rc = OK
+        cdef cism_knobs kn
         if ncand >= 1:
             rc = self.verify_block(ncand, &n, &blocked)
         else:
-            tok = sample_token(self.logits, self.m.vocab, self.p.temperature, self.p.top_p,
-                               self.p.top_k, &self.rng, &self.sampler)
+            kn = knobs_of(&self.p)
+            tok = choose_token(self.logits, self.m.vocab, &kn, self.history_, self.hist_len,
+                               &self.rng, &self.sampler)
             if tok < 0:
                 return NOMEM
             self.emitted[0] = tok
@@ -846,7 +732,7 @@ cdef class Session:
             return OK
         if cism_flag_get(&self.cancelled):
             return CANCELLED
-        rc = self.prefill()
+        rc = self.run_prompt()
         if rc != OK:
             return rc
         while produced[0] < wanted:
@@ -880,7 +766,7 @@ cdef class Session:
         """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
         speculation (greedy only); the tokens are identical either way."""
         count = check_count(count, "count")
-        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, self.p.temperature)
+        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
         cdef int rc
         cdef int64_t *buf
         with self.lock:
@@ -893,12 +779,16 @@ cdef class Session:
             self.finish_call(rc)
             return result
 
-    def _prefill_now(self):
+    def prefill(self):
+        """Run the prompt now (next_tokens does it on first use); afterwards
+        last_logits holds the first token's distribution."""
         cdef int rc
         with self.lock:
             with nogil:
-                rc = self.prefill()
+                rc = self.run_prompt()
             self.finish_call(rc)
+
+    _prefill_now = prefill
 
     def _nll(self):
         """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
@@ -963,8 +853,8 @@ cdef class Session:
         """Verify explicit draft tokens greedily and return the tokens emitted
         (the accepted prefix plus the correction or bonus token), leaving the
         session exactly as next_tokens would."""
-        if self.p.temperature != 0:
-            raise ValueError("verify needs greedy decoding (temperature 0)")
+        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
+            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
         c = as_tokens(candidates, self.m.vocab, "candidates", True)
         if len(c) > MAX_K:
             raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
@@ -981,7 +871,7 @@ cdef class Session:
                 if cism_flag_get(&self.cancelled):
                     rc = CANCELLED
                 else:
-                    rc = self.prefill()
+                    rc = self.run_prompt()
                 if rc == OK:
                     rc = self.step(n, buf, &produced)
             result = out[:produced].tolist()

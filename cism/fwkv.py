@@ -18,6 +18,7 @@ import numpy as np
 
 from cism import _config as C
 from cism._fwkv import FwkvModel, Session  # noqa: F401
+from cism.generation import GenerationMixin
 
 MODEL_TYPE = "fwkv"
 
@@ -123,7 +124,7 @@ def weight_shapes(config):
     return shapes
 
 
-class Model(FwkvModel):
+class Model(GenerationMixin, FwkvModel):
     """An FWKV model (see FwkvModel for the methods)."""
 
     config_class = Config

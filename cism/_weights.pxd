@@ -1,0 +1,14 @@
+# The base of every model class: the packed weights it keeps and the
+# controls over their memory (cimport cism._weights).
+from libc.stdint cimport uint64_t
+
+cdef class WeightStore:
+    cdef list keep            # Matrix objects and norm/vector arrays the C pointers point into
+    cdef dict matrices        # HF name -> Matrix
+    cdef size_t weight_bytes_
+    cdef bint pages_locked_
+    cdef object lock_         # guards page locking (and, in subclasses, shared state)
+    cdef uint64_t sink_
+    cdef int scan_threads     # threads scan() uses
+    cdef object add_matrix(self, name, values, storage, int threads)
+    cdef object add_vector(self, name, values)

@@ -1,0 +1,167 @@
+"""What every model class shares: keeping packed weights and controlling
+their memory (lock_pages, unlock_pages, touch, scan), plus the load-time
+checks of one weight tensor."""
+import threading
+
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange
+from libc.stdint cimport uint64_t
+from libc.stdlib cimport free, malloc
+from posix.mman cimport mlock, munlock
+
+from cism.matrix cimport Matrix
+
+cnp.import_array()
+
+cdef extern from "memscan.h" nogil:
+    uint64_t cism_touch(const void *p, size_t n)
+    uint64_t cism_scan(const void *p, size_t n)
+
+
+def weight_array(value, name, shape):
+    """A float tensor of the expected shape as C-contiguous finite float32,
+    else ValueError with the spec's message naming the tensor."""
+    if not isinstance(value, np.ndarray):
+        raise ValueError(f"weight {name} must be a numpy array, got {type(value).__name__}")
+    if value.dtype.kind != "f":
+        raise ValueError(f"weight {name} must be a float array, got dtype {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"missing or incorrectly sized weight: {name} "
+                         f"(expected shape {tuple(shape)}, got {tuple(value.shape)})")
+    a = np.ascontiguousarray(value, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise ValueError(f"non-finite weight: {name}")
+    return a
+
+
+cdef class WeightStore:
+    """Packed weights of a model and the controls over their memory."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.keep = []
+        self.matrices = {}
+        self.weight_bytes_ = 0
+        self.lock_ = threading.Lock()
+        self.scan_threads = 1
+
+    cdef object add_matrix(self, name, values, storage, int threads):
+        """Pack one matrix (validated already) and keep it."""
+        cdef Matrix m
+        try:
+            m = Matrix(values, storage, threads=threads, check_finite=False)
+        except MemoryError:
+            rows, cols = values.shape
+            raise MemoryError(f"out of memory packing {name} ({rows}x{cols} as {storage}; "
+                              f"{self.weight_bytes_} bytes packed so far)") from None
+        self.keep.append(m)
+        self.matrices[name] = m
+        self.weight_bytes_ += m.nbytes
+        return m
+
+    cdef object add_vector(self, name, values):
+        """Keep a float32 copy of a vector (norms, biases); returns the array."""
+        a = np.ascontiguousarray(values, dtype=np.float32).copy()
+        self.keep.append(a)
+        self.weight_bytes_ += a.nbytes
+        return a
+
+    @property
+    def weight_bytes(self):
+        """Bytes of packed weights, scales and vectors (what decode streams per token)."""
+        return self.weight_bytes_
+
+    @property
+    def pages_locked(self):
+        return self.pages_locked_
+
+    def matrix(self, name):
+        """The packed Matrix behind an HF tensor name (for inspection)."""
+        try:
+            return self.matrices[name]
+        except KeyError:
+            raise ValueError(f"no matrix named {name!r}") from None
+
+    def _regions(self):
+        cdef Matrix m
+        out = []
+        for obj in self.keep:
+            if isinstance(obj, Matrix):
+                m = obj
+                out.append((<size_t>m.codes_buf, m.mat.rows * m.mat.row_bytes))
+                if m.scales_buf != NULL:
+                    out.append((<size_t>m.scales_buf, m.mat.rows * sizeof(float)))
+            else:
+                out.append((obj.ctypes.data, obj.nbytes))
+        return out
+
+    def lock_pages(self):
+        """mlock the weights; returns the bytes actually locked (Linux may lock
+        less than asked under RLIMIT_MEMLOCK; that is reported, not raised)."""
+        with self.lock_:
+            if self.pages_locked_:
+                raise ValueError("weight pages are already locked")
+            locked = 0
+            for addr, n in self._regions():
+                if n and mlock(<void*><size_t>addr, n) == 0:
+                    locked += n
+            self.pages_locked_ = True
+            return locked
+
+    def unlock_pages(self):
+        with self.lock_:
+            if not self.pages_locked_:
+                raise ValueError("weight pages are not locked")
+            unlocked = 0
+            for addr, n in self._regions():
+                if n and munlock(<void*><size_t>addr, n) == 0:
+                    unlocked += n
+            self.pages_locked_ = False
+            return unlocked
+
+    def touch(self):
+        """Read every cache line of the weights once (residency refresh); returns bytes."""
+        cdef uint64_t sink = 0
+        cdef size_t a, n
+        total = 0
+        for addr, size in self._regions():
+            a = addr
+            n = size
+            with nogil:
+                sink += cism_touch(<const void*>a, n)
+            total += n
+        self.sink_ += sink
+        return total
+
+    def scan(self):
+        """Stream all weights with the model's threads (a bandwidth probe);
+        returns the bytes read."""
+        regions = self._regions()
+        cdef size_t count = len(regions), i, c, nchunks = 0
+        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 3 + 8)
+        if addr == NULL:
+            raise MemoryError
+        cdef size_t *size = addr + count
+        cdef size_t *first = size + count
+        total = 0
+        for i in range(count):
+            addr[i], size[i] = regions[i]
+            first[i] = nchunks
+            nchunks += (size[i] + (1 << 20) - 1) >> 20
+            total += size[i]
+        cdef uint64_t sink = 0
+        cdef size_t r, off, n
+        with nogil:
+            for c in prange(nchunks, num_threads=self.scan_threads, schedule='static'):
+                r = 0
+                while r + 1 < count and first[r + 1] <= c:
+                    r = r + 1
+                off = (c - first[r]) << 20
+                n = size[r] - off
+                if n > (1 << 20):
+                    n = 1 << 20
+                sink += cism_scan(<const void*>(addr[r] + off), n)
+        free(addr)
+        self.sink_ += sink
+        return total
