@@ -31,12 +31,11 @@ from cism._common import FINISH_NAMES
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
 from cism._threads import resolve_threads
-from cism._weights import weight_array
+from cism._weights import PRECISIONS, check_precisions, check_weights
 from cism.sampling import check_seed
 
 cnp.import_array()
 
-PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 CODE_VERSION = "cism-dense-1"
 DEF MAX_K = 16
 MAX_SPEC_K = MAX_K
@@ -100,13 +99,7 @@ cdef class DenseModel(WeightStore):
             from cism.dense import Config as cls_config
         if not isinstance(config, cls_config):
             raise ValueError(f"config must be a cism.dense.Config, got {type(config).__name__}")
-        if precision not in PRECISIONS:
-            raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, or hybrid-fp4, "
-                             f"got {precision!r}")
-        if act_precision not in ("fp32", "int8"):
-            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
-        if not hasattr(weights, "keys") or not hasattr(weights, "__getitem__"):
-            raise ValueError("weights must be a mapping of tensor names to float arrays")
+        protected, mlp = check_precisions(precision, act_precision)
         from cism.dense import weight_shapes
         self.config = config
         self.precision_ = precision
@@ -116,24 +109,10 @@ cdef class DenseModel(WeightStore):
         nthreads = resolve_threads(threads)
         has_head = "lm_head.weight" in weights
         shapes = weight_shapes(config, has_head)
-        names = set(weights.keys())
-        unexpected = sorted(names - set(shapes))
-        missing = sorted(set(shapes) - names)
-        if unexpected or missing:
-            parts = []
-            if missing:
-                parts.append("missing " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
-            if unexpected:
-                parts.append("unexpected " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
-            raise ValueError("unexpected or missing weights: " + "; ".join(parts))
-        arrays = {}
-        for name, shape in shapes.items():
-            arrays[name] = weight_array(weights[name], name, shape)
+        arrays = check_weights(weights, shapes)
         if config.tied and has_head:
             if not np.array_equal(arrays["lm_head.weight"], arrays["model.embed_tokens.weight"]):
                 raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
-        protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
-        mlp = {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
 
         c = config
         self.c.hidden = c.hidden

@@ -31,14 +31,13 @@ from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGT
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
-from cism._weights import weight_array
+from cism._weights import PRECISIONS, check_precisions, check_weights
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
 cnp.import_array()
 
 
-PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 CODE_VERSION = "cism-fwkv-1"
 DEF MAX_K = 16
 MAX_SPEC_K = MAX_K
@@ -99,34 +98,14 @@ cdef class FwkvModel(WeightStore):
         cls_config = getattr(type(self), "config_class", None) or Config
         if not isinstance(config, cls_config):
             raise ValueError(f"config must be a cism.fwkv.Config, got {type(config).__name__}")
-        if precision not in PRECISIONS:
-            raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, or hybrid-fp4, "
-                             f"got {precision!r}")
-        if act_precision not in ("fp32", "int8"):
-            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
-        if not hasattr(weights, "keys") or not hasattr(weights, "__getitem__"):
-            raise ValueError("weights must be a mapping of tensor names to float arrays")
+        protected, mlp = check_precisions(precision, act_precision)
         self.config = config
         self.precision_ = precision
         self.source = None
         nthreads = resolve_threads(threads)
         self.scan_threads = nthreads
         shapes = weight_shapes(config)
-        names = set(weights.keys())
-        unexpected = sorted(names - set(shapes))
-        missing = sorted(set(shapes) - names)
-        if unexpected or missing:
-            parts = []
-            if missing:
-                parts.append("missing " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
-            if unexpected:
-                parts.append("unexpected " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
-            raise ValueError("unexpected or missing weights: " + "; ".join(parts))
-        arrays = {}
-        for name, shape in shapes.items():
-            arrays[name] = weight_array(weights[name], name, shape)
-        protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
-        mlp = {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
+        arrays = check_weights(weights, shapes)
 
         c = config
         self.c.d = c.d_model

@@ -20,6 +20,39 @@ cdef extern from "memscan.h" nogil:
     uint64_t cism_scan(const void *p, size_t n)
 
 
+PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
+
+
+def check_precisions(precision, act_precision):
+    """The spec's precision names; returns (protected storage, MLP storage):
+    hybrids keep attention, embeddings and head at int8 and the MLP at 4 bits."""
+    if precision not in PRECISIONS:
+        raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, or hybrid-fp4, "
+                         f"got {precision!r}")
+    if act_precision not in ("fp32", "int8"):
+        raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+    protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
+    return protected, {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
+
+
+def check_weights(weights, shapes):
+    """Exactly the expected tensors, each of its shape and finite; returns
+    name -> float32 array (the spec's messages, naming the tensors)."""
+    if not hasattr(weights, "keys") or not hasattr(weights, "__getitem__"):
+        raise ValueError("weights must be a mapping of tensor names to float arrays")
+    names = set(weights.keys())
+    unexpected = sorted(names - set(shapes))
+    missing = sorted(set(shapes) - names)
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append("unexpected " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
+        raise ValueError("unexpected or missing weights: " + "; ".join(parts))
+    return {name: weight_array(weights[name], name, shape) for name, shape in shapes.items()}
+
+
 def weight_array(value, name, shape):
     """A float tensor of the expected shape as C-contiguous finite float32,
     else ValueError with the spec's message naming the tensor."""
