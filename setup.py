@@ -117,6 +117,7 @@ EXTENSIONS = [
     extension("cism._common", ["cism/_common.pyx"]),
     extension("cism.paging", ["cism/paging.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
+    extension("cism._surjo", ["cism/_surjo.pyx"]),
 ]
 
 DIRECTIVES = {
