@@ -59,6 +59,9 @@ DEF PREFILL_CHUNK = 256
 DEF ROPE_TABLE_MAX = 32768
 # Conv channels per parallel work item: one cache line of floats per token row.
 DEF CONV_BLOCK = 16
+# Below about this many multiply-adds a parallel region costs more than it
+# saves (the figure cism.matrix uses); small loops run on the calling thread.
+DEF PARALLEL_MIN_WORK = 65536
 
 
 # ----------------------------------------------------------------- model ---
@@ -860,6 +863,10 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
         K.sigmoid_mul(w.gg + t * vt + e * dv, o, o, dv)
 
 
+cdef inline int team(int nt, size_t items, size_t work) noexcept nogil:
+    return nt if items > 1 and work >= PARALLEL_MIN_WORK else 1
+
+
 cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, size_t T, size_t pos0,
                  const uint8_t *skip, const size_t *out_rows, size_t n_out, float *logits,
                  const int *cancel) noexcept nogil:
@@ -872,10 +879,14 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
     cdef size_t KT = m.key_total, VT = m.value_total, DV = m.v_dim
     cdef size_t nbk = (KT + CONV_BLOCK - 1) // CONV_BLOCK
     cdef size_t nconv = 2 * nbk + (VT + CONV_BLOCK - 1) // CONV_BLOCK
+    # threads per loop: the whole team only where the loop has the work for it
     cdef int nt = m.threads
-    cdef int ntT = nt if T > 1 else 1
-    cdef int ntH = nt if T * m.heads > 1 else 1
-    cdef int ntO = nt if n_out > 1 else 1
+    cdef int ntT = team(nt, T, T * D)
+    cdef int ntH = team(nt, T * m.heads, T * m.heads * (pos0 + T) * m.head_dim)
+    cdef int ntC = team(nt, nconv, T * (2 * KT + VT) * m.conv)
+    cdef int ntG = team(nt, T, T * (2 * KT + VT) * 8)
+    cdef int ntV = team(nt, m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
+    cdef int ntO = team(nt, n_out, n_out * D)
     cdef size_t si, g, r, i, slot
     cdef float *rec
     cdef const Layer *L
@@ -930,13 +941,13 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
             if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.qs, nt) != 0:
                 return NOMEM
             # causal conv with this (layer, pass)'s FIFOs, channels in parallel
-            for r in prange(nconv, num_threads=nt if nconv > 1 else 1, schedule='static'):
+            for r in prange(nconv, num_threads=ntC, schedule='static'):
                 gdn_conv(m, w, L, rec, r, T)
             # SiLU, L2 norms, gates and decays, token by token
-            for g in prange(T, num_threads=ntT, schedule='static'):
+            for g in prange(T, num_threads=ntG, schedule='static'):
                 gdn_gates(m, K, w, L, g)
             # the delta rule: one value head per item, its tokens in order
-            for r in prange(m.v_heads, num_threads=nt if m.v_heads > 1 else 1, schedule='static'):
+            for r in prange(m.v_heads, num_threads=ntV, schedule='static'):
                 gdn_head(m, K, w, L, rec + r * m.k_dim * DV, r, T, w.delta + threadid() * 2 * DV)
             if gemm1(&L.o, q8, w.go, VT, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
