@@ -558,3 +558,54 @@ def test_model_properties_and_memory_controls():
     with pytest.raises(ValueError, match="not locked"):
         m.unlock_pages()
     assert "surjo" in repr(m)
+
+
+# ----------------------------------------------- stateful speculation check ---
+
+def test_any_interleaving_of_session_calls_stays_greedy():
+    """Random sequences of next_tokens (plain and speculative), verify with
+    right, partly right and wrong guesses, neural_draft and set_draft_steps:
+    the emitted tokens are always the plain greedy continuation."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    model = make("hv2h-p3-k3-tied", seed=21)
+    prompt = [3, 14, 15, 9, 26, 5, 3, 14]
+    want = model.create_session(prompt, 60).next_tokens(60)
+    n_steps = len(model.plan)
+    calls = st.one_of(
+        st.tuples(st.just("next"), st.integers(0, 7), st.sampled_from([0, 2, 3, 5, 8, 16])),
+        st.tuples(st.just("verify"), st.integers(1, 16), st.integers(0, 16)),
+        st.tuples(st.just("draft"), st.integers(0, 16), st.just(0)),
+        st.tuples(st.just("steps"), st.sets(st.integers(0, n_steps - 1), max_size=n_steps), st.booleans()))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(calls, max_size=12))
+    def run(ops):
+        s = model.create_session(prompt, 60)
+        out = []
+        for op, a, b in ops:
+            if op == "next":
+                out += s.next_tokens(a, spec_k=b)
+            elif op == "verify":
+                # the true continuation with the candidate at index b (if any) wrong
+                guess = want[len(out):len(out) + a]
+                if b < len(guess):
+                    guess[b] = (guess[b] + 1) % model.config.vocab
+                out += s.verify(guess)
+            elif op == "draft":
+                d = s.neural_draft(a)
+                if s.finish_reason:
+                    assert d == []
+                    continue
+                assert s.position == len(prompt) + len(out)  # nothing moved (after the prefill)
+                room = s.capacity - s.position + 1  # the drafter runs all but its last guess
+                assert len(d) == (min(a, room) if a >= 2 else 0)
+                assert not d or d[0] == want[len(out)]
+            else:
+                s.set_draft_steps(sorted(a) if b else None)
+            assert out == want[:len(out)]
+            assert s.generated_tokens == len(out)
+        out += s.next_tokens(60, spec_k=4)
+        assert out == want
+
+    run()
