@@ -1235,7 +1235,10 @@ cdef class Session:
         block once, accept the argmax-matching prefix and add the correction
         (or bonus) token. On a partial accept the checkpoint is restored and
         the accepted prefix replayed (bit for bit what the block computed).
-        Respects the budget."""
+        Respects the budget. Unlike the spec, the XSA key/value tail is not
+        checkpointed: rows past the position are dead (every forward writes a
+        position's row before any query reads it), so rolling the position
+        back is enough for them."""
         cdef size_t allowed = self.s.max_new - self.s.generated
         cdef size_t accepted = 0, n = 0, vocab = self.m.vocab, pos0
         cdef int rc

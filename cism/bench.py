@@ -19,10 +19,17 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden=1024, intermediate=3072, layers=28, heads=16,
                        kv_heads=8, head_dim=128, vocab=151936, context=40960, eps=1e-6,
                        rope_theta=1000000.0, tied=True),
+    # ~53M parameters: XSA prelude, 2 groups of (3 GDN + 1 XSA) run twice, XSA coda
+    "surjo-50m": dict(model_type="surjo", hidden=512, intermediate=1536, heads=8, kv_heads=4,
+                      head_dim=64, vocab=32000, context=4096, prelude=1, groups=2, per_xsa=3,
+                      coda=1, passes=2, gdn_v_heads=8, gdn_k_dim=64, gdn_v_dim=64, conv_kernel=4,
+                      tied=True),
 }
 
 
 def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
+    if SHAPES[shape]["model_type"] == "surjo":
+        return random_surjo(shape, precision, threads, act_precision, seed)
     from cism.dense import Config, Model, weight_shapes
     config = Config(**SHAPES[shape])
     rng = np.random.default_rng(seed)
@@ -34,6 +41,28 @@ def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", se
             w = rng.standard_normal(s, dtype=np.float32)
             w *= np.float32(1.0 / np.sqrt(s[1]))
             weights[name] = w
+    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
+
+
+def random_surjo(shape="surjo-50m", precision="fp32", threads=None, act_precision="fp32", seed=0):
+    """A Surjo model of a SHAPES entry with random weights: unit norms, linear
+    weights N(0, 1/fan_in), GDN decays spread over roughly (0.5, 1)."""
+    from cism.surjo import Config, Model, weight_shapes
+    config = Config(**{k: v for k, v in SHAPES[shape].items() if k != "model_type"})
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, s in weight_shapes(config, not config.tied).items():
+        if name.endswith("A_log"):
+            w = np.log(rng.uniform(0.05, 1.0, s))
+        elif name.endswith("dt_bias"):
+            w = rng.uniform(-3.0, 0.5, s)
+        elif name.endswith(".bias"):
+            w = 0.5 * rng.standard_normal(s)
+        elif len(s) == 1:
+            w = np.ones(s)
+        else:
+            w = rng.standard_normal(s, dtype=np.float32) * np.float32(1.0 / np.sqrt(s[-1]))
+        weights[name] = np.asarray(w, np.float32)
     return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
 
 

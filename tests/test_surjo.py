@@ -29,6 +29,9 @@ CASES = {
     "mha-p1-k1-noproj": dict(hidden=32, intermediate=48, heads=2, kv_heads=2, head_dim=8, vocab=50,
                              prelude=2, groups=1, per_xsa=1, coda=0, passes=1, xsa_projection=False,
                              gdn_v_heads=2, gdn_k_dim=8, gdn_v_dim=8, conv_kernel=1),
+    "xsa-groups-only": dict(hidden=32, intermediate=40, heads=2, kv_heads=1, head_dim=8, vocab=41,
+                            prelude=0, groups=2, per_xsa=0, coda=1, passes=2,
+                            gdn_v_heads=2, gdn_k_dim=4, gdn_v_dim=4),  # no GDN layer at all
     "hv2h-p2-k2-wide": dict(hidden=64, intermediate=96, heads=4, kv_heads=1, head_dim=24, vocab=131,
                             prelude=1, groups=3, per_xsa=2, coda=0, passes=2,
                             gdn_v_heads=8, gdn_k_dim=8, gdn_v_dim=6, conv_kernel=2, rope_theta=500.0),
