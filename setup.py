@@ -121,6 +121,7 @@ EXTENSIONS = [
     extension("cism.paging", ["cism/paging.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),
+    extension("cism._surjo", ["cism/_surjo.pyx"]),
 ]
 
 DIRECTIVES = {

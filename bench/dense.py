@@ -13,7 +13,7 @@ import sys
 
 from bench_common import default_model
 from cism import _kernels
-from cism.bench import SHAPES, format_table, measure, random_dense, read_bandwidth
+from cism.bench import SHAPES, format_table, measure, random_model, read_bandwidth
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
@@ -42,7 +42,7 @@ def main(argv=None):
                     import cism
                     model = cism.load(path, precision=precision, threads=t, act_precision=act)
                 else:
-                    model = random_dense(shape, precision, t, act)
+                    model = random_model(shape, precision, t, act)
                 rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats))
                 del model
     report = {"model": path or f"random {shape}", "isa": _kernels.isa(),

@@ -21,7 +21,7 @@ from cism.tokenizer import Tokenizer  # noqa: F401
 
 __version__ = "0.1.0"
 
-FAMILIES = {"llama": "cism.dense", "qwen3": "cism.dense", "fwkv": "cism.fwkv"}
+FAMILIES = {"llama": "cism.dense", "qwen3": "cism.dense", "fwkv": "cism.fwkv", "surjo": "cism.surjo"}
 
 
 def load(path, **kwargs):

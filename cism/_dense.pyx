@@ -20,6 +20,7 @@ from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
+from cism._nn cimport add_into, grow_f, rmsnorm, rotate
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -481,14 +482,6 @@ cdef struct Work:
     Scratch qs
 
 
-cdef int grow_f(float **p, size_t n) noexcept nogil:
-    cdef float *q = <float*>realloc(p[0], n * sizeof(float) + 64)
-    if q == NULL:
-        return -1
-    p[0] = q
-    return 0
-
-
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
     cdef size_t nt = m.threads
     if T > w.tokens_cap:
@@ -521,35 +514,6 @@ cdef void work_free(Work *w) noexcept nogil:
     free(w.seq_of); free(w.pos_of); free(w.out_rows)
     scratch_free(&w.qs)
     memset(w, 0, sizeof(Work))
-
-
-cdef inline void rmsnorm(const float *x, float *out, const float *weight, size_t n, float eps) noexcept nogil:
-    # sum of squares in double, one float scale (in place is fine: out[i] only after x[i])
-    cdef double sum = 0
-    cdef size_t i
-    for i in range(n):
-        sum += <double>x[i] * x[i]
-    cdef float scale = <float>(1.0 / sqrt(sum / <double>n + eps))
-    for i in range(n):
-        out[i] = (x[i] * scale) * weight[i]
-
-
-cdef inline void add_into(float *x, const float *y, size_t n) noexcept nogil:
-    cdef size_t i
-    for i in range(n):
-        x[i] += y[i]
-
-
-cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, const float *s) noexcept nogil:
-    # HF rotate-half: pairs (j, j + dim/2)
-    cdef size_t h, j, half = dim // 2
-    cdef float a, b
-    for h in range(heads):
-        for j in range(half):
-            a = v[h * dim + j]
-            b = v[h * dim + j + half]
-            v[h * dim + j] = a * c[j] - b * s[j]
-            v[h * dim + j + half] = b * c[j] + a * s[j]
 
 
 cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *kv, size_t pos,

@@ -21,6 +21,11 @@ SHAPES = {
                        rope_theta=1000000.0, tied=True),
     "myosotis-1-base": dict(model_type="fwkv", d_model=768, d_emb=192, layers=13, ffn_mult=4,
                             vocab=50257, context=1024, wkv_floor=0.1, tied=True),
+    # ~53M parameters: XSA prelude, 2 groups of (3 GDN + 1 XSA) run twice, XSA coda
+    "surjo-50m": dict(model_type="surjo", hidden=512, intermediate=1536, heads=8, kv_heads=4,
+                      head_dim=64, vocab=32000, context=4096, prelude=1, groups=2, per_xsa=3,
+                      coda=1, passes=2, gdn_v_heads=8, gdn_k_dim=64, gdn_v_dim=64, conv_kernel=4,
+                      tied=True),
 }
 
 
@@ -36,6 +41,28 @@ def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", se
             w = rng.standard_normal(s, dtype=np.float32)
             w *= np.float32(1.0 / np.sqrt(s[1]))
             weights[name] = w
+    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
+
+
+def random_surjo(shape="surjo-50m", precision="fp32", threads=None, act_precision="fp32", seed=0):
+    """A Surjo model of a SHAPES entry with random weights: unit norms, linear
+    weights N(0, 1/fan_in), GDN decays spread over roughly (0.5, 1)."""
+    from cism.surjo import Config, Model, weight_shapes
+    config = Config(**{k: v for k, v in SHAPES[shape].items() if k != "model_type"})
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, s in weight_shapes(config, not config.tied).items():
+        if name.endswith("A_log"):
+            w = np.log(rng.uniform(0.05, 1.0, s))
+        elif name.endswith("dt_bias"):
+            w = rng.uniform(-3.0, 0.5, s)
+        elif name.endswith(".bias"):
+            w = 0.5 * rng.standard_normal(s)
+        elif len(s) == 1:
+            w = np.ones(s)
+        else:
+            w = rng.standard_normal(s, dtype=np.float32) * np.float32(1.0 / np.sqrt(s[-1]))
+        weights[name] = np.asarray(w, np.float32)
     return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
 
 
@@ -59,7 +86,7 @@ def random_model(shape, precision="fp32", threads=None, act_precision="fp32", se
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
     family = SHAPES[shape].get("model_type")
-    make = {"fwkv": random_fwkv}.get(family, random_dense)
+    make = {"fwkv": random_fwkv, "surjo": random_surjo}.get(family, random_dense)
     return make(shape, precision, threads, act_precision, seed)
 
 

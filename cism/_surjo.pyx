@@ -1,0 +1,1391 @@
+"""Surjo hybrid (XSA attention + Gated DeltaNet): packed weights, the forward
+pass over the execution plan, and sessions with speculative decoding.
+
+The forward function runs T tokens of one sequence plan step by plan step:
+every projection is one pass over its weight rows for all T tokens, while the
+things that carry state (XSA keys/values, the GDN conv FIFOs and recurrent
+states) advance token by token in order. Each token's arithmetic is therefore
+the same whatever T, the chunking or the thread count: a prefilled block
+equals T single-token steps bit for bit, and speculative verification can
+restore a checkpoint and replay the accepted prefix exactly.
+
+Recurrent state per GDN (layer, pass): one (K, Dv) state per VALUE head (the
+spec shares key-head states among value heads when gdn_num_v_heads > heads,
+an approximation it flags itself; tests/reference/surjo.py documents the
+reading used here), and FIFOs of the W-1 previous raw conv inputs per channel.
+"""
+import hashlib
+import threading
+
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange, threadid
+from libc.math cimport sqrt, sqrtf, powf, cosf, sinf, exp, log, log1p, isfinite
+from libc.stdint cimport int64_t, uint64_t, uint8_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset
+
+from cism._kernels cimport cism_kernels, cism_mat, kernel_table
+from cism._weights cimport WeightStore
+from cism._nn cimport add_into, grow_f, rmsnorm, rotate
+from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
+from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
+                            sampler_free, draft_tokens)
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+from cism._common import FINISH_NAMES
+
+from cism import _kernels
+from cism._config import MAX_KV_BYTES, is_int
+from cism._weights import check_precisions, check_weights
+from cism._threads import resolve_threads
+from cism.sampling import check_seed
+
+cnp.import_array()
+
+CODE_VERSION = "cism-surjo-1"
+DEF MAX_K = 16
+MAX_SPEC_K = MAX_K
+# Prompts run in blocks of this many tokens: bounded scratch, and chunking
+# changes no result (see the module docstring).
+DEF PREFILL_CHUNK = 256
+# Rotary sin/cos are tabulated up to this many positions (as in cism._dense).
+DEF ROPE_TABLE_MAX = 32768
+# Conv channels per parallel work item: one cache line of floats per token row.
+DEF CONV_BLOCK = 16
+# Below about this many multiply-adds a parallel region costs more than it
+# saves (the figure cism.matrix uses); small loops run on the calling thread.
+DEF PARALLEL_MIN_WORK = 65536
+
+
+# ----------------------------------------------------------------- model ---
+
+cdef struct Layer:
+    bint xsa
+    const float *input_norm    # (hidden,)
+    const float *post_norm     # (hidden,)
+    # XSA: q (H*Dh, D), k and v (Hkv*Dh, D), o (D, H*Dh).
+    # GDN: q and k (Kt, D), v (Vt, D), o (D, Vt).
+    cism_mat q, k, v, o
+    const float *q_norm        # XSA (Dh,)
+    const float *k_norm        # XSA (Dh,)
+    cism_mat b                 # GDN beta (Kt, D)
+    cism_mat w                 # GDN write gate (Vt, D)
+    cism_mat f0, f1            # GDN decay rate: (Dv, D), (Kt, Dv)
+    cism_mat g0, g1            # GDN output gate: (Dv, D), (Vt, Dv)
+    const float *q_conv        # GDN (Kt, W), tap W-1 multiplies the newest input
+    const float *k_conv        # GDN (Kt, W)
+    const float *v_conv        # GDN (Vt, W)
+    const float *a_exp         # GDN (H,) exp(A_log)
+    const float *dt_bias       # GDN (Kt,)
+    const float *g_bias        # GDN (Vt,)
+    const float *o_norm        # GDN (Dv,)
+    cism_mat gate, up, down    # SwiGLU MLP (F, D), (F, D), (D, F)
+
+
+cdef struct Step:
+    size_t layer
+    size_t pass_
+    int slot                   # XSA KV slot, or -1
+    int state                  # GDN state index, or -1
+
+
+cdef struct ModelC:
+    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
+    size_t v_heads, k_dim, v_dim, key_total, value_total, conv, fifo   # fifo = conv - 1
+    size_t state_len           # floats of one GDN state incl. its FIFOs
+    float eps
+    bint xsa_projection
+    Layer *layer
+    Step *plan
+    size_t n_steps, n_slots, n_states
+    cism_mat embed
+    cism_mat head              # the embedding again when tied
+    const float *final_norm
+    float *inv_freq            # (head_dim/2,)
+    float *rope_cos            # (rope_positions, head_dim/2)
+    float *rope_sin
+    size_t rope_positions
+    int threads
+    bint act_q8
+
+
+# Order of the GDN projections sharing the normalized input (one gemm_multi).
+DEF GDN_Q = 0
+DEF GDN_K = 1
+DEF GDN_V = 2
+DEF GDN_B = 3
+DEF GDN_W = 4
+DEF GDN_F0 = 5
+DEF GDN_G0 = 6
+
+
+cdef class SurjoModel(WeightStore):
+    """Surjo weights packed for inference.
+
+    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
+    with ``weights`` a mapping of the spec's tensor names to float arrays.
+    Attention and GDN projections, the embedding and the head use the protected
+    storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
+    """
+    cdef ModelC c
+    cdef readonly object config
+    cdef str precision_
+    cdef list rope_keep            # inv_freq and the rotary tables (not weights)
+    cdef size_t stream_bytes_
+    cdef str compile_key_
+    cdef public object source      # the Checkpoint a model was loaded from, if any
+
+    def __cinit__(self):
+        memset(&self.c, 0, sizeof(ModelC))
+
+    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
+        from cism.surjo import Config, weight_shapes
+        if not isinstance(config, Config):
+            raise ValueError(f"config must be a cism.surjo.Config, got {type(config).__name__}")
+        protected, mlp = check_precisions(precision, act_precision)
+        self.config = config
+        self.precision_ = precision
+        self.source = None
+        nthreads = resolve_threads(threads)
+        self.scan_threads = nthreads
+        has_head = "lm_head.weight" in weights
+        shapes = weight_shapes(config, has_head)
+        arrays = check_weights(weights, shapes)
+        if config.tied and has_head:
+            if not np.array_equal(arrays["lm_head.weight"], arrays["model.embed_tokens.weight"]):
+                raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
+
+        c = config
+        self.c.hidden = c.hidden
+        self.c.inter = c.intermediate
+        self.c.layers = c.layers
+        self.c.heads = c.heads
+        self.c.kv_heads = c.kv_heads
+        self.c.head_dim = c.head_dim
+        self.c.vocab = c.vocab
+        self.c.context = c.context
+        self.c.q_width = c.heads * c.head_dim
+        self.c.kv_width = c.kv_heads * c.head_dim
+        self.c.v_heads = c.gdn_v_heads
+        self.c.k_dim = c.gdn_k_dim
+        self.c.v_dim = c.gdn_v_dim
+        self.c.key_total = c.key_total
+        self.c.value_total = c.value_total
+        self.c.conv = c.conv_kernel
+        self.c.fifo = c.conv_kernel - 1
+        self.c.state_len = (c.gdn_v_heads * c.gdn_k_dim * c.gdn_v_dim
+                            + (2 * c.key_total + c.value_total) * (c.conv_kernel - 1))
+        self.c.eps = c.eps
+        self.c.xsa_projection = c.xsa_projection
+        self.c.threads = nthreads
+        self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
+        if self.c.layer == NULL:
+            raise MemoryError("cannot allocate the layer table")
+        self._build_plan()
+
+        self.c.embed = self._matrix("model.embed_tokens.weight", arrays, protected)[0]
+        if c.tied:
+            self.c.head = self.c.embed
+        else:
+            self.c.head = self._matrix("lm_head.weight", arrays, protected)[0]
+        self.c.final_norm = self._vec("model.norm.weight", arrays)
+        layer_bytes = []
+        cdef Layer *L
+        for i in range(c.layers):
+            before = self.weight_bytes_
+            p = f"model.layers.{i}."
+            L = &self.c.layer[i]
+            L.xsa = c.is_xsa_layer(i)
+            L.input_norm = self._vec(p + "input_layernorm.weight", arrays)
+            L.post_norm = self._vec(p + "post_attention_layernorm.weight", arrays)
+            if L.xsa:
+                a = p + "self_attn."
+                L.q = self._matrix(a + "q_proj.weight", arrays, protected)[0]
+                L.k = self._matrix(a + "k_proj.weight", arrays, protected)[0]
+                L.v = self._matrix(a + "v_proj.weight", arrays, protected)[0]
+                L.o = self._matrix(a + "o_proj.weight", arrays, protected)[0]
+                L.q_norm = self._vec(a + "q_norm.weight", arrays)
+                L.k_norm = self._vec(a + "k_norm.weight", arrays)
+            else:
+                a = p + "linear_attn."
+                L.q = self._matrix(a + "q_proj.weight", arrays, protected)[0]
+                L.k = self._matrix(a + "k_proj.weight", arrays, protected)[0]
+                L.v = self._matrix(a + "v_proj.weight", arrays, protected)[0]
+                L.b = self._matrix(a + "b_proj.weight", arrays, protected)[0]
+                L.w = self._matrix(a + "w_proj.weight", arrays, protected)[0]
+                L.f0 = self._matrix(a + "f_proj.0.weight", arrays, protected)[0]
+                L.f1 = self._matrix(a + "f_proj.1.weight", arrays, protected)[0]
+                L.g0 = self._matrix(a + "g_proj.0.weight", arrays, protected)[0]
+                L.g1 = self._matrix(a + "g_proj.1.weight", arrays, protected)[0]
+                L.o = self._matrix(a + "o_proj.weight", arrays, protected)[0]
+                L.q_conv = self._vec(a + "q_conv.conv.weight", arrays)
+                L.k_conv = self._vec(a + "k_conv.conv.weight", arrays)
+                L.v_conv = self._vec(a + "v_conv.conv.weight", arrays)
+                # exp(A_log) once, in double, rounded to float (stored in A_log's place)
+                arrays[a + "A_log"] = np.exp(arrays[a + "A_log"].astype(np.float64)).astype(np.float32)
+                L.a_exp = self._vec(a + "A_log", arrays)
+                L.dt_bias = self._vec(a + "dt_bias", arrays)
+                L.g_bias = self._vec(a + "g_proj.1.bias", arrays)
+                L.o_norm = self._vec(a + "o_norm.weight", arrays)
+            L.gate = self._matrix(p + "mlp.gate_proj.weight", arrays, mlp)[0]
+            L.up = self._matrix(p + "mlp.up_proj.weight", arrays, mlp)[0]
+            L.down = self._matrix(p + "mlp.down_proj.weight", arrays, mlp)[0]
+            for name in [n for n in arrays if n.startswith(p)]:
+                del arrays[name]  # the packed copies hold everything now
+            layer_bytes.append(self.weight_bytes_ - before)
+        # Bytes one decoded token streams: every plan step's layer, the final
+        # norm and the head (the embedding is only gathered, one row).
+        head = self.matrices["model.embed_tokens.weight" if c.tied else "lm_head.weight"]
+        self.stream_bytes_ = (head.nbytes + 4 * c.hidden
+                              + sum(layer_bytes[self.c.plan[s].layer] for s in range(self.c.n_steps)))
+        self._build_rope()
+        self.set_act_precision(act_precision)
+
+    cdef _build_plan(self):
+        """Prelude, then every pass over the groups, then coda (the spec's build_plan)."""
+        plan = self.config.plan()
+        self.c.plan = <Step*>calloc(len(plan), sizeof(Step))
+        if self.c.plan == NULL:
+            raise MemoryError("cannot allocate the execution plan")
+        slot = state = 0
+        for i, (layer, pass_, kind) in enumerate(plan):
+            self.c.plan[i].layer = layer
+            self.c.plan[i].pass_ = pass_
+            if kind == "xsa":
+                self.c.plan[i].slot, self.c.plan[i].state = slot, -1
+                slot += 1
+            else:
+                self.c.plan[i].slot, self.c.plan[i].state = -1, state
+                state += 1
+        self.c.n_steps = len(plan)
+        self.c.n_slots = slot
+        self.c.n_states = state
+
+    cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
+        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
+        return &m.mat
+
+    cdef const float* _vec(self, name, dict arrays) except NULL:
+        """A float32 vector (conv weights flattened to (channels, W))."""
+        cdef cnp.ndarray a = self.add_vector(name, arrays[name].ravel())
+        return <const float*>cnp.PyArray_DATA(a)
+
+    cdef _build_rope(self):
+        """inv_freq[j] = 1 / theta^(2j/d) in float; cos/sin tables of
+        position * inv_freq[j], once, shared read-only by every session
+        (the same formula as cism._dense)."""
+        cdef size_t half = self.c.head_dim // 2, p, j
+        cdef float theta = <float>self.config.rope_theta
+        inv = np.empty(half, np.float32)
+        cdef float[::1] iv = inv
+        for j in range(half):
+            iv[j] = 1.0 / powf(theta, <float>(2 * j) / <float>self.c.head_dim)
+            if not isfinite(iv[j]) or not isfinite(iv[j] * <float>(self.c.context - 1)):
+                raise ValueError("rope_theta produces non-finite FP32 rotary angles")
+        positions = min(self.c.context, ROPE_TABLE_MAX)
+        cos_t = np.empty((positions, half), np.float32)
+        sin_t = np.empty((positions, half), np.float32)
+        cdef float[:, ::1] ct = cos_t
+        cdef float[:, ::1] st = sin_t
+        cdef float angle
+        with nogil:
+            for p in range(positions):
+                for j in range(half):
+                    angle = <float>p * iv[j]
+                    ct[p, j] = cosf(angle)
+                    st[p, j] = sinf(angle)
+        self.rope_keep = [inv, cos_t, sin_t]
+        self.c.inv_freq = <float*>cnp.PyArray_DATA(inv)
+        self.c.rope_cos = <float*>cnp.PyArray_DATA(cos_t)
+        self.c.rope_sin = <float*>cnp.PyArray_DATA(sin_t)
+        self.c.rope_positions = positions
+
+    def __dealloc__(self):
+        free(self.c.layer)
+        free(self.c.plan)
+
+    # ---- properties ----
+
+    @property
+    def precision(self):
+        return self.precision_
+
+    @property
+    def act_precision(self):
+        return "int8" if self.c.act_q8 else "fp32"
+
+    def set_act_precision(self, act_precision):
+        """``"fp32"`` keeps float activations; ``"int8"`` quantizes them per
+        32-element block for the integer kernels. Not while sessions run."""
+        if act_precision not in ("fp32", "int8"):
+            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+        self.c.act_q8 = act_precision == "int8"
+        for m in self.matrices.values():
+            (<Matrix>m).act_q8 = self.c.act_q8
+        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
+                         str(self.c.threads), _kernels.isa(), CODE_VERSION])
+        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def thread_count(self):
+        return self.c.threads
+
+    @property
+    def stream_bytes(self):
+        """Weight bytes one decoded token reads: each plan step's layer (the
+        group section once per pass), the final norm and the head; the
+        embedding only as one row. Decode roofline = read bandwidth / this."""
+        return self.stream_bytes_
+
+    @property
+    def compile_key(self):
+        """Stable hash of shape, precisions, thread count, kernel variant and code version."""
+        return self.compile_key_
+
+    @property
+    def compile_canonical(self):
+        return self.config.canonical()
+
+    @property
+    def plan(self):
+        """The execution plan, one (layer, pass, kind, index) per step: kind
+        "xsa" with its KV slot or "gdn" with its state index. Step numbers are
+        what Session.set_draft_steps takes."""
+        out = []
+        for i in range(self.c.n_steps):
+            s = self.c.plan[i]
+            out.append((s.layer, s.pass_, "xsa", s.slot) if s.slot >= 0 else
+                       (s.layer, s.pass_, "gdn", s.state))
+        return out
+
+    # ---- sessions and one-shot evaluation ----
+
+    def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        """A generation with its own KV slots and recurrent states. min_p and
+        repetition_penalty are extensions (off by default: the spec's sampler)."""
+        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
+                       min_p=min_p, repetition_penalty=repetition_penalty)
+
+    def logits(self, prompt):
+        """Next-token logits after the prompt, float32 (vocab,)."""
+        s = Session(self, prompt, 0, 0.0, 1.0, 0, 0, ())
+        s._prefill_now()
+        return s.last_logits
+
+    def nll(self, tokens):
+        """Mean negative log-likelihood of tokens[1:] given the tokens before
+        (teacher forcing, positions from zero), in blocks."""
+        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
+
+    def logits_all(self, tokens):
+        """Logits after every prefix of tokens, float32 (T, vocab): row i is
+        the distribution for token i+1."""
+        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
+
+    def __repr__(self):
+        c = self.config
+        return (f"{type(self).__name__}(surjo, layers={c.layers}, passes={c.passes}, "
+                f"hidden={c.hidden}, precision={self.precision_!r}, "
+                f"act_precision={self.act_precision!r}, threads={self.c.threads}, "
+                f"weight_bytes={self.weight_bytes_})")
+
+
+# ----------------------------------------------------------- forward pass ---
+
+cdef struct State:
+    # Everything a sequence carries between tokens.
+    float *keys                # (slots, capacity, kv_width) rotated keys
+    float *values              # (slots, capacity, kv_width)
+    float *rec                 # (states, state_len): per GDN (layer, pass)
+                               #   S (Hv, K, Dv), then FIFOs q (Kt, W-1), k (Kt, W-1), v (Vt, W-1)
+    size_t capacity
+
+
+cdef struct Work:
+    # token-major scratch for up to tokens_cap tokens
+    float *x        # (T, hidden) residual stream
+    float *xn       # (T, hidden) normalized
+    float *proj     # (T, hidden) mixer / MLP output
+    float *q        # (T, q_width)   XSA
+    float *k        # (T, kv_width)
+    float *v        # (T, kv_width)
+    float *att      # (T, q_width)
+    float *gq       # (T, Kt)        GDN q, conv'd in place
+    float *gk       # (T, Kt)
+    float *gv       # (T, Vt)
+    float *gb       # (T, Kt)        beta
+    float *gw       # (T, Vt)        write gate
+    float *gf       # (T, Kt)        decay rate, then decay
+    float *gg       # (T, Vt)        output gate logits
+    float *go       # (T, Vt)        GDN output
+    float *fmid     # (T, Dv)
+    float *gmid     # (T, Dv)
+    float *gate     # (T, inter)
+    float *up       # (T, inter)
+    float *head_in  # (n_out, hidden) final-normed rows that need logits
+    float *scores   # (threads, score_cap) attention scores, one row per thread
+    float *rope     # (threads, head_dim) cos/sin beyond the table
+    float *delta    # (threads, 2 * Dv) delta-rule read and update vectors
+    size_t *out_rows
+    size_t tokens_cap, score_cap, out_cap, threads_cap
+    Scratch qs
+
+
+cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
+    cdef size_t nt = m.threads
+    cdef size_t kt = m.key_total, vt = m.value_total
+    if T > w.tokens_cap:
+        if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.proj, T * m.hidden)
+                or grow_f(&w.q, T * m.q_width) or grow_f(&w.k, T * m.kv_width)
+                or grow_f(&w.v, T * m.kv_width) or grow_f(&w.att, T * m.q_width)
+                or grow_f(&w.gq, T * kt) or grow_f(&w.gk, T * kt) or grow_f(&w.gv, T * vt)
+                or grow_f(&w.gb, T * kt) or grow_f(&w.gw, T * vt) or grow_f(&w.gf, T * kt)
+                or grow_f(&w.gg, T * vt) or grow_f(&w.go, T * vt)
+                or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)
+                or grow_f(&w.gate, T * m.inter) or grow_f(&w.up, T * m.inter)):
+            return -1
+        w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
+        if w.out_rows == NULL:
+            return -1
+        w.tokens_cap = T
+    if n_out > w.out_cap:
+        if grow_f(&w.head_in, n_out * m.hidden):
+            return -1
+        w.out_cap = n_out
+    if S > w.score_cap or nt > w.threads_cap:
+        if (grow_f(&w.scores, nt * S) or grow_f(&w.rope, nt * m.head_dim)
+                or grow_f(&w.delta, nt * 2 * m.v_dim)):
+            return -1
+        w.score_cap = S
+        w.threads_cap = nt
+    return 0
+
+
+cdef void work_free(Work *w) noexcept nogil:
+    free(w.x); free(w.xn); free(w.proj); free(w.q); free(w.k); free(w.v); free(w.att)
+    free(w.gq); free(w.gk); free(w.gv); free(w.gb); free(w.gw); free(w.gf); free(w.gg); free(w.go)
+    free(w.fmid); free(w.gmid); free(w.gate); free(w.up); free(w.head_in)
+    free(w.scores); free(w.rope); free(w.delta); free(w.out_rows)
+    scratch_free(&w.qs)
+    memset(w, 0, sizeof(Work))
+
+
+# rmsnorm, add_into and rotate are cism._dense's, copied: they are cdef inline
+# in a .pyx there, so they cannot be cimported (candidates for a shared .pxd).
+
+cdef inline void l2norm(float *x, size_t n) noexcept nogil:
+    # the spec's surjo_l2norm: x / (||x|| + 1e-12), the sum of squares in double
+    cdef double sum = 0
+    cdef size_t i
+    for i in range(n):
+        sum += <double>x[i] * x[i]
+    cdef float inv = 1.0 / (sqrtf(<float>sum) + <float>1e-12)
+    for i in range(n):
+        x[i] *= inv
+
+
+cdef inline float softplus(float x) noexcept nogil:
+    # log(1 + e^x) with the spec's shortcuts outside [-20, 20]
+    if x > 20:
+        return x
+    if x < -20:
+        return <float>exp(<double>x)
+    return <float>log1p(exp(<double>x))
+
+
+cdef inline float *k_row(const State *st, const ModelC *m, size_t slot, size_t pos) noexcept nogil:
+    return st.keys + (slot * st.capacity + pos) * m.kv_width
+
+
+cdef inline float *v_row(const State *st, const ModelC *m, size_t slot, size_t pos) noexcept nogil:
+    return st.values + (slot * st.capacity + pos) * m.kv_width
+
+
+cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st, size_t slot,
+                       size_t g, size_t pos, int tid) noexcept nogil:
+    """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
+    cdef size_t hd = m.head_dim, half = hd // 2, h, j
+    cdef float *q = w.q + g * m.q_width
+    cdef float *k = w.k + g * m.kv_width
+    cdef const float *c
+    cdef const float *s
+    cdef float *tmp
+    cdef float angle
+    for h in range(m.heads):
+        rmsnorm(q + h * hd, q + h * hd, L.q_norm, hd, m.eps)
+    for h in range(m.kv_heads):
+        rmsnorm(k + h * hd, k + h * hd, L.k_norm, hd, m.eps)
+    if pos < m.rope_positions:
+        c = m.rope_cos + pos * half
+        s = m.rope_sin + pos * half
+    else:
+        tmp = w.rope + tid * hd
+        for j in range(half):
+            angle = <float>pos * m.inv_freq[j]
+            tmp[j] = cosf(angle)
+            tmp[half + j] = sinf(angle)
+        c = tmp
+        s = tmp + half
+    rotate(q, m.heads, hd, c, s)
+    rotate(k, m.kv_heads, hd, c, s)
+    memcpy(k_row(st, m, slot, pos), k, m.kv_width * sizeof(float))
+    memcpy(v_row(st, m, slot, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
+
+
+cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
+                     size_t g, size_t h, size_t pos, float *sc) noexcept nogil:
+    """Causal attention of token g, head h over positions 0..pos of the slot,
+    then (xsa_projection) the removal of the output's component along the
+    token's own value vector of that KV head."""
+    cdef size_t hd = m.head_dim, span = pos + 1, tau, j
+    cdef size_t kvh = h // (m.heads // m.kv_heads)
+    cdef const float *q = w.q + g * m.q_width + h * hd
+    cdef float *out = w.att + g * m.q_width + h * hd
+    cdef const float *vv = w.v + g * m.kv_width + kvh * hd
+    cdef float scale = 1.0 / sqrtf(<float>hd)
+    cdef float maximum, denom = 0, coef
+    cdef double av = 0, vv2 = 0
+    for tau in range(span):
+        sc[tau] = K.dot(q, k_row(st, m, slot, tau) + kvh * hd, hd) * scale
+    maximum = sc[0]
+    for tau in range(1, span):
+        if sc[tau] > maximum:
+            maximum = sc[tau]
+    for tau in range(span):
+        sc[tau] = sc[tau] - maximum
+    K.exp(sc, sc, span)
+    for tau in range(span):
+        denom = denom + sc[tau]
+    memset(out, 0, hd * sizeof(float))
+    for tau in range(span):
+        K.axpy(sc[tau] / denom, v_row(st, m, slot, tau) + kvh * hd, out, hd)
+    if m.xsa_projection:
+        # a -= (a.v / max(v.v, 1e-4)) v, dot products in double (the spec's order)
+        for j in range(hd):
+            av += <double>out[j] * vv[j]
+            vv2 += <double>vv[j] * vv[j]
+        if vv2 < 1e-4:
+            vv2 = 1e-4
+        coef = <float>(av / vv2)
+        for j in range(hd):
+            out[j] -= coef * vv[j]
+
+
+cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t blk,
+                   size_t T) noexcept nogil:
+    """Depthwise causal conv of one block of channels (of q, k or v), token by
+    token: y = sum_i W[i] * fifo[i] + W[W-1] * u in double, then the FIFO
+    shifts the raw input u in (fifo[W-2] is the newest)."""
+    cdef size_t kt = m.key_total, vt = m.value_total, km = m.fifo, kw = m.conv
+    cdef size_t nbk = (kt + CONV_BLOCK - 1) // CONV_BLOCK
+    cdef float *buf
+    cdef float *fifo
+    cdef const float *wt
+    cdef size_t ld, c0, c1, ch, t, i
+    cdef float raw
+    cdef float *f
+    cdef const float *wr
+    cdef double acc
+    if blk < nbk:
+        buf, fifo, wt, ld, c0 = w.gq, rec + m.v_heads * m.k_dim * m.v_dim, L.q_conv, kt, blk * CONV_BLOCK
+    elif blk < 2 * nbk:
+        buf, fifo, wt, ld, c0 = w.gk, rec + m.v_heads * m.k_dim * m.v_dim + kt * km, L.k_conv, kt, (blk - nbk) * CONV_BLOCK
+    else:
+        buf, fifo, wt, ld, c0 = w.gv, rec + m.v_heads * m.k_dim * m.v_dim + 2 * kt * km, L.v_conv, vt, (blk - 2 * nbk) * CONV_BLOCK
+    c1 = c0 + CONV_BLOCK
+    if c1 > ld:
+        c1 = ld
+    for t in range(T):
+        for ch in range(c0, c1):
+            raw = buf[t * ld + ch]
+            f = fifo + ch * km
+            wr = wt + ch * kw
+            acc = 0
+            for i in range(km):
+                acc += <double>f[i] * wr[i]
+            acc += <double>raw * wr[km]
+            buf[t * ld + ch] = <float>acc
+            if km:
+                for i in range(km - 1):
+                    f[i] = f[i + 1]
+                f[km - 1] = raw
+
+
+cdef void gdn_gates(const ModelC *m, const cism_kernels *K, Work *w, const Layer *L,
+                    size_t g) noexcept nogil:
+    """Token g's pointwise GDN maps: SiLU after the conv, per-key-head L2 norms
+    of q and k, beta and write-gate sigmoids, decay = exp(-exp(A_log) *
+    softplus(f + dt_bias)) per key channel, output-gate bias."""
+    cdef size_t kt = m.key_total, vt = m.value_total, kd = m.k_dim, h, i
+    cdef float *q = w.gq + g * kt
+    cdef float *k = w.gk + g * kt
+    cdef float *f = w.gf + g * kt
+    cdef float *gt = w.gg + g * vt
+    K.silu(q, q, kt)
+    K.silu(k, k, kt)
+    K.silu(w.gv + g * vt, w.gv + g * vt, vt)
+    for h in range(m.heads):
+        l2norm(q + h * kd, kd)
+        l2norm(k + h * kd, kd)
+    K.sigmoid(w.gb + g * kt, w.gb + g * kt, kt)
+    K.sigmoid(w.gw + g * vt, w.gw + g * vt, vt)
+    for i in range(kt):
+        f[i] = -L.a_exp[i // kd] * softplus(f[i] + L.dt_bias[i])
+    K.exp(f, f, kt)
+    for i in range(vt):
+        gt[i] += L.g_bias[i]
+
+
+cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer *L, float *S,
+                   size_t e, size_t T, float *scratch) noexcept nogil:
+    """The gated delta rule of value head e (state S, (K, Dv)), tokens in order:
+        S <- diag(decay) S;  r = S^T (beta*k);  S <- S + k (omega*v - r)^T;
+        o = S^T q / sqrt(K);  o <- rmsnorm(o; o_norm) * sigmoid(gate)
+    Key-side tensors come from key head e // (Hv/H)."""
+    cdef size_t kt = m.key_total, vt = m.value_total, kd = m.k_dim, dv = m.v_dim
+    cdef size_t kh = e // (m.v_heads // m.heads), t, i, j
+    cdef float rscale = 1.0 / sqrtf(<float>kd)
+    cdef float *r = scratch
+    cdef float *d = scratch + dv
+    cdef float *row
+    cdef float dec
+    cdef const float *q
+    cdef const float *k
+    cdef const float *beta
+    cdef const float *decay
+    cdef const float *v
+    cdef const float *om
+    cdef float *o
+    for t in range(T):
+        q = w.gq + t * kt + kh * kd
+        k = w.gk + t * kt + kh * kd
+        beta = w.gb + t * kt + kh * kd
+        decay = w.gf + t * kt + kh * kd
+        v = w.gv + t * vt + e * dv
+        om = w.gw + t * vt + e * dv
+        o = w.go + t * vt + e * dv
+        # decay first, and read r = S^T (beta * k) in the same sweep
+        memset(r, 0, dv * sizeof(float))
+        for i in range(kd):
+            row = S + i * dv
+            dec = decay[i]
+            for j in range(dv):
+                row[j] = row[j] * dec
+            K.axpy(beta[i] * k[i], row, r, dv)
+        # write with the plain key, and read the output in the same sweep
+        for j in range(dv):
+            d[j] = om[j] * v[j] - r[j]
+        memset(o, 0, dv * sizeof(float))
+        for i in range(kd):
+            row = S + i * dv
+            K.axpy(k[i], d, row, dv)
+            K.axpy(q[i], row, o, dv)
+        for j in range(dv):
+            o[j] = o[j] * rscale
+        rmsnorm(o, o, L.o_norm, dv, m.eps)
+        K.sigmoid_mul(w.gg + t * vt + e * dv, o, o, dv)
+
+
+cdef inline int team(int nt, size_t items, size_t work) noexcept nogil:
+    return nt if items > 1 and work >= PARALLEL_MIN_WORK else 1
+
+
+cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, size_t T, size_t pos0,
+                 const uint8_t *skip, const size_t *out_rows, size_t n_out, float *logits,
+                 const int *cancel) noexcept nogil:
+    """Run T tokens at positions pos0.. through the plan (steps with skip[s]
+    set are left out: the neural drafter); logits of the tokens listed in
+    out_rows go to logits (n_out, vocab). Returns OK, CANCELLED, NOMEM or
+    NONFINITE."""
+    cdef const cism_kernels *K = kernel_table()
+    cdef size_t D = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width
+    cdef size_t KT = m.key_total, VT = m.value_total, DV = m.v_dim
+    cdef size_t nbk = (KT + CONV_BLOCK - 1) // CONV_BLOCK
+    cdef size_t nconv = 2 * nbk + (VT + CONV_BLOCK - 1) // CONV_BLOCK
+    # threads per loop: the whole team only where the loop has the work for it
+    cdef int nt = m.threads
+    cdef int ntT = team(nt, T, T * D)
+    cdef int ntH = team(nt, T * m.heads, T * m.heads * (pos0 + T) * m.head_dim)
+    cdef int ntC = team(nt, nconv, T * (2 * KT + VT) * m.conv)
+    cdef int ntG = team(nt, T, T * (2 * KT + VT) * 8)
+    cdef int ntV = team(nt, m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
+    cdef int ntO = team(nt, n_out, n_out * D)
+    cdef size_t si, g, r, i, slot
+    cdef float *rec
+    cdef const Layer *L
+    cdef const cism_mat *mats[7]
+    cdef float *outs[7]
+    cdef size_t lds[7]
+    cdef bint q8 = m.act_q8
+    if work_reserve(w, m, T, pos0 + T, n_out) != 0:
+        return NOMEM
+    for g in prange(T, num_threads=ntT, schedule='static'):
+        mat_row(&m.embed, <size_t>tokens[g], w.x + g * D)
+    for si in range(m.n_steps):
+        if skip != NULL and skip[si]:
+            continue
+        if cism_flag_get(cancel):
+            return CANCELLED
+        L = &m.layer[m.plan[si].layer]
+        # mixer rmsnorm
+        for g in prange(T, num_threads=ntT, schedule='static'):
+            rmsnorm(w.x + g * D, w.xn + g * D, L.input_norm, D, m.eps)
+        if L.xsa:
+            slot = m.plan[si].slot
+            # q, k, v projections in one pass over their rows
+            mats[0], mats[1], mats[2] = &L.q, &L.k, &L.v
+            outs[0], outs[1], outs[2] = w.q, w.k, w.v
+            lds[0], lds[1], lds[2] = QW, KW, KW
+            if gemm_multi(mats, outs, lds, 3, q8, w.xn, D, T, &w.qs, nt) != 0:
+                return NOMEM
+            # q/k norms, rotate, store k and v in this execution's slot
+            for g in prange(T, num_threads=ntT, schedule='static'):
+                xsa_qk_store(m, w, L, st, slot, g, pos0 + g, threadid())
+            # causal GQA attention and the value projection, one (token, head) per item
+            for r in prange(T * m.heads, num_threads=ntH, schedule='static'):
+                xsa_attend(m, K, w, st, slot, r // m.heads, r % m.heads, pos0 + r // m.heads,
+                           w.scores + threadid() * w.score_cap)
+            if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
+                return NOMEM
+        else:
+            rec = st.rec + <size_t>m.plan[si].state * m.state_len
+            # q, k, v, beta, write gate and both low-rank inputs in one pass
+            mats[GDN_Q], mats[GDN_K], mats[GDN_V] = &L.q, &L.k, &L.v
+            mats[GDN_B], mats[GDN_W], mats[GDN_F0], mats[GDN_G0] = &L.b, &L.w, &L.f0, &L.g0
+            outs[GDN_Q], outs[GDN_K], outs[GDN_V] = w.gq, w.gk, w.gv
+            outs[GDN_B], outs[GDN_W], outs[GDN_F0], outs[GDN_G0] = w.gb, w.gw, w.fmid, w.gmid
+            lds[GDN_Q], lds[GDN_K], lds[GDN_V] = KT, KT, VT
+            lds[GDN_B], lds[GDN_W], lds[GDN_F0], lds[GDN_G0] = KT, VT, DV, DV
+            if gemm_multi(mats, outs, lds, 7, q8, w.xn, D, T, &w.qs, nt) != 0:
+                return NOMEM
+            # decay-rate and output-gate up-projections
+            if gemm1(&L.f1, q8, w.fmid, DV, T, w.gf, KT, &w.qs, nt) != 0:
+                return NOMEM
+            if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.qs, nt) != 0:
+                return NOMEM
+            # causal conv with this (layer, pass)'s FIFOs, channels in parallel
+            for r in prange(nconv, num_threads=ntC, schedule='static'):
+                gdn_conv(m, w, L, rec, r, T)
+            # SiLU, L2 norms, gates and decays, token by token
+            for g in prange(T, num_threads=ntG, schedule='static'):
+                gdn_gates(m, K, w, L, g)
+            # the delta rule: one value head per item, its tokens in order
+            for r in prange(m.v_heads, num_threads=ntV, schedule='static'):
+                gdn_head(m, K, w, L, rec + r * m.k_dim * DV, r, T, w.delta + threadid() * 2 * DV)
+            if gemm1(&L.o, q8, w.go, VT, T, w.proj, D, &w.qs, nt) != 0:
+                return NOMEM
+        # residual, MLP rmsnorm
+        for g in prange(T, num_threads=ntT, schedule='static'):
+            add_into(w.x + g * D, w.proj + g * D, D)
+            rmsnorm(w.x + g * D, w.xn + g * D, L.post_norm, D, m.eps)
+        # SwiGLU: silu(gate) * up, then down, residual
+        mats[0], mats[1] = &L.gate, &L.up
+        outs[0], outs[1] = w.gate, w.up
+        lds[0], lds[1] = I, I
+        if gemm_multi(mats, outs, lds, 2, q8, w.xn, D, T, &w.qs, nt) != 0:
+            return NOMEM
+        for g in prange(T, num_threads=ntT, schedule='static'):
+            K.silu_mul(w.gate + g * I, w.up + g * I, w.gate + g * I, I)
+        if gemm1(&L.down, q8, w.gate, I, T, w.proj, D, &w.qs, nt) != 0:
+            return NOMEM
+        for g in prange(T, num_threads=ntT, schedule='static'):
+            add_into(w.x + g * D, w.proj + g * D, D)
+    if n_out == 0:
+        return OK
+    # final norm, only for the rows whose logits are wanted
+    for i in prange(n_out, num_threads=ntO, schedule='static'):
+        rmsnorm(w.x + out_rows[i] * D, w.head_in + i * D, m.final_norm, D, m.eps)
+    if gemm1(&m.head, q8, w.head_in, D, n_out, logits, m.vocab, &w.qs, nt) != 0:
+        return NOMEM
+    for i in range(n_out * m.vocab):
+        if not isfinite(logits[i]):
+            return NONFINITE
+    return OK
+
+
+# --------------------------------------------------------------- sessions ---
+
+cdef struct Seq:
+    # one sequence's generation state
+    int64_t *prompt            # tokens not yet run (prefilled on first use)
+    size_t prompt_len
+    int64_t *history           # tokens whose state is cached, in order
+    size_t hist_len
+    size_t capacity, position, generated, max_new
+    float *logits              # (vocab,) distribution for the next token
+    bint have_logits
+    cism_mt64 rng
+    cism_sampler sampler
+    int finish
+    State st
+
+
+cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil:
+    """Empty KV slots, zero GDN states and FIFOs (once per session)."""
+    cdef size_t n = m.n_slots * capacity * m.kv_width
+    if st.rec != NULL:
+        return OK
+    st.capacity = capacity
+    st.keys = <float*>malloc(n * sizeof(float) + 64)
+    st.values = <float*>malloc(n * sizeof(float) + 64)
+    st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
+    if st.keys == NULL or st.values == NULL or st.rec == NULL:
+        return NOMEM
+    return OK
+
+
+cdef void state_free(State *st) noexcept nogil:
+    free(st.keys)
+    free(st.values)
+    free(st.rec)
+    memset(st, 0, sizeof(State))
+
+
+cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept nogil:
+    """Count an emitted token: eos -> stop, budget reached -> length."""
+    s.generated += 1
+    if params_eos(p, token):
+        s.finish = STOP
+    elif s.generated == s.max_new:
+        s.finish = LENGTH
+
+
+cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t T,
+                 float *rows, const uint8_t *skip, float *last, const int *cancel) noexcept nogil:
+    """Forward T tokens of the sequence at its position, in blocks. rows ==
+    NULL: logits of the last token into last; else logits of every token into
+    rows (T, vocab) and the last also into last."""
+    cdef size_t start = 0, n, i, vocab = m.vocab
+    cdef int rc
+    while start < T:
+        n = T - start
+        if n > PREFILL_CHUNK:
+            n = PREFILL_CHUNK
+        if work_reserve(w, m, n, 0, 0) != 0:
+            return NOMEM
+        if rows != NULL:
+            for i in range(n):
+                w.out_rows[i] = i
+            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, n,
+                         rows + start * vocab, cancel)
+        elif start + n == T:
+            w.out_rows[0] = n - 1
+            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, 1, last, cancel)
+        else:
+            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, 0, NULL, cancel)
+        if rc != OK:
+            return rc
+        s.position += n
+        start += n
+    if rows != NULL and T > 0:
+        memcpy(last, rows + (T - 1) * vocab, vocab * sizeof(float))
+    return OK
+
+
+cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
+    capacity = prompt_len + max_new
+    if capacity > m.context:
+        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                         f"({prompt_len} + {max_new} > {m.context})")
+    state_bytes = 4 * (2 * m.n_slots * capacity * m.kv_width + m.n_states * m.state_len)
+    if state_bytes > MAX_KV_BYTES:
+        raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
+                         "XSA keys/values and GDN states)")
+
+
+cdef class Session:
+    """One generation over a Surjo model: its own XSA KV slots
+    ``(slots, capacity, kv_width)``, GDN states and conv FIFOs. Calls on one
+    session run one at a time (from any thread); ``cancel()`` is safe at any
+    moment."""
+    cdef SurjoModel model
+    cdef const ModelC *m
+    cdef Seq s
+    cdef Params p
+    cdef Work w
+    cdef float *block_logits     # (ncand, vocab) during verification
+    cdef size_t block_cap
+    cdef float *ckpt             # (states, state_len) recurrent checkpoint
+    cdef float *draft_logits     # (vocab,) the neural drafter's own logits
+    cdef uint8_t *skip           # (steps,) plan steps the neural drafter leaves out
+    cdef bint draft_armed
+    cdef int cancelled
+    cdef size_t spec_proposed, spec_accepted
+    cdef int64_t emitted[MAX_K + 1]
+    cdef int64_t cands[MAX_K]
+    cdef object lock
+
+    def __cinit__(self):
+        memset(&self.s, 0, sizeof(Seq))
+        memset(&self.p, 0, sizeof(Params))
+        memset(&self.w, 0, sizeof(Work))
+        self.block_logits = NULL
+        self.ckpt = NULL
+        self.draft_logits = NULL
+        self.skip = NULL
+
+    def __init__(self, SurjoModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
+                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        self.model = model
+        self.m = &model.c
+        p = as_tokens(prompt, model.c.vocab)
+        max_new = check_count(max_new_tokens, "max_new_tokens")
+        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
+        seed = check_seed(seed)
+        check_capacity(self.m, len(p), max_new)
+        cdef size_t n = len(p), vocab = model.c.vocab
+        self.s.capacity = n + max_new
+        self.s.max_new = max_new
+        self.s.prompt = <int64_t*>malloc((n + 1) * sizeof(int64_t))
+        self.s.history = <int64_t*>malloc((self.s.capacity + 1) * sizeof(int64_t))
+        self.s.logits = <float*>malloc(vocab * sizeof(float))
+        self.skip = <uint8_t*>calloc(self.m.n_steps + 1, 1)
+        if self.s.prompt == NULL or self.s.history == NULL or self.s.logits == NULL or self.skip == NULL:
+            raise MemoryError("cannot allocate session state")
+        memcpy(self.s.prompt, cnp.PyArray_DATA(p), n * sizeof(int64_t))
+        self.s.prompt_len = n
+        rng_seed(&self.s.rng, seed)
+        if max_new == 0:
+            self.s.finish = LENGTH
+        self.lock = threading.Lock()
+
+    def __dealloc__(self):
+        free(self.s.prompt)
+        free(self.s.history)
+        free(self.s.logits)
+        sampler_free(&self.s.sampler)
+        state_free(&self.s.st)
+        free(self.p.eos)
+        free(self.block_logits)
+        free(self.ckpt)
+        free(self.draft_logits)
+        free(self.skip)
+        work_free(&self.w)
+
+    # ---- nogil core ----
+
+    cdef int alloc_state(self) noexcept nogil:
+        if state_alloc(&self.s.st, self.m, self.s.capacity) != OK:
+            return NOMEM
+        if self.ckpt == NULL:
+            self.ckpt = <float*>malloc((self.m.n_states * self.m.state_len + 16) * sizeof(float))
+            if self.ckpt == NULL:
+                return NOMEM
+        return OK
+
+    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
+        return seq_run(self.m, &self.w, &self.s, tokens, T, rows, NULL, self.s.logits, &self.cancelled)
+
+    cdef int run_prompt(self) noexcept nogil:
+        cdef int rc
+        if self.s.prompt_len == 0:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        # state is allocated only once the caller holds a cancellable session
+        if self.alloc_state() != OK:
+            return NOMEM
+        rc = self.run(self.s.prompt, self.s.prompt_len, NULL)
+        if rc != OK:
+            return rc
+        self.s.have_logits = True
+        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
+        self.s.hist_len += self.s.prompt_len
+        self.s.prompt_len = 0
+        return OK
+
+    cdef void save_states(self, bint only_drafted) noexcept nogil:
+        """Copy the GDN states and FIFOs to the checkpoint (only_drafted: just
+        those the neural drafter will advance)."""
+        cdef size_t i, n = self.m.state_len
+        cdef int g
+        if not only_drafted:
+            memcpy(self.ckpt, self.s.st.rec, self.m.n_states * n * sizeof(float))
+            return
+        for i in range(self.m.n_steps):
+            g = self.m.plan[i].state
+            if g >= 0 and not self.skip[i]:
+                memcpy(self.ckpt + g * n, self.s.st.rec + g * n, n * sizeof(float))
+
+    cdef void restore_states(self, bint only_drafted) noexcept nogil:
+        cdef size_t i, n = self.m.state_len
+        cdef int g
+        if not only_drafted:
+            memcpy(self.s.st.rec, self.ckpt, self.m.n_states * n * sizeof(float))
+            return
+        for i in range(self.m.n_steps):
+            g = self.m.plan[i].state
+            if g >= 0 and not self.skip[i]:
+                memcpy(self.s.st.rec + g * n, self.ckpt + g * n, n * sizeof(float))
+
+    cdef int neural(self, size_t k, size_t *ncand) noexcept nogil:
+        """Draft up to k tokens into cands: the head is the argmax of the live
+        logits, then the model with the skipped plan steps runs greedily on its
+        own guesses. Every state it touches is restored before returning.
+        XSA keys/values written past the position need no restoring: a position
+        is always written before any query reads it."""
+        cdef size_t n = 0, pos = self.s.position
+        cdef int rc = OK
+        ncand[0] = 0
+        if k < 2:
+            return OK
+        if k > MAX_K:
+            k = MAX_K
+        if self.draft_logits == NULL:
+            self.draft_logits = <float*>malloc(self.m.vocab * sizeof(float))
+            if self.draft_logits == NULL:
+                return NOMEM
+        self.cands[0] = <int64_t>argmax(self.s.logits, self.m.vocab)
+        n = 1
+        self.save_states(True)
+        while n < k and self.s.position < self.s.capacity:
+            if params_eos(&self.p, self.cands[n - 1]):
+                break
+            rc = seq_run(self.m, &self.w, &self.s, &self.cands[n - 1], 1, NULL, self.skip,
+                         self.draft_logits, &self.cancelled)
+            if rc != OK:
+                break
+            self.cands[n] = <int64_t>argmax(self.draft_logits, self.m.vocab)
+            n += 1
+        self.restore_states(True)
+        self.s.position = pos
+        ncand[0] = n
+        return rc
+
+    cdef int verify_block(self, size_t ncand, size_t *n_emitted) noexcept nogil:
+        """Greedy verification of cands[:ncand]: emit the head token; when it
+        equals the first candidate, checkpoint the recurrent state, forward the
+        block once, accept the argmax-matching prefix and add the correction
+        (or bonus) token. On a partial accept the checkpoint is restored and
+        the accepted prefix replayed (bit for bit what the block computed).
+        Respects the budget. Unlike the spec, the XSA key/value tail is not
+        checkpointed: rows past the position are dead (every forward writes a
+        position's row before any query reads it), so rolling the position
+        back is enough for them."""
+        cdef size_t allowed = self.s.max_new - self.s.generated
+        cdef size_t accepted = 0, n = 0, vocab = self.m.vocab, pos0
+        cdef int rc
+        n_emitted[0] = 0
+        if allowed == 0:
+            return OK
+        self.spec_proposed += ncand
+        self.emitted[0] = <int64_t>argmax(self.s.logits, vocab)
+        n = 1
+        if allowed > 1 and self.emitted[0] == self.cands[0]:
+            accepted = 1
+            if ncand * vocab > self.block_cap:
+                if grow_f(&self.block_logits, ncand * vocab):
+                    return NOMEM
+                self.block_cap = ncand * vocab
+            pos0 = self.s.position
+            self.save_states(False)
+            rc = self.run(self.cands, ncand, self.block_logits)
+            if rc != OK:
+                self.spec_accepted += accepted
+                n_emitted[0] = n
+                return rc
+            while accepted < ncand and n < allowed:
+                if <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab) != self.cands[accepted]:
+                    break
+                self.emitted[n] = self.cands[accepted]
+                n += 1
+                accepted += 1
+            if n < allowed:
+                self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
+                n += 1
+            self.spec_accepted += accepted
+            if accepted < ncand:
+                # the recurrence cannot be rolled back: restore and replay
+                self.restore_states(False)
+                self.s.position = pos0
+                rc = self.run(self.cands, accepted, NULL)
+                if rc != OK:
+                    n_emitted[0] = n
+                    return rc
+        n_emitted[0] = n
+        return OK
+
+    cdef int step(self, size_t ncand, int64_t *out, size_t *produced) noexcept nogil:
+        """One decoding step: sample (or verify ncand drafts), account the
+        emitted tokens, forward the last one unless the session finished."""
+        cdef size_t n = 0, i
+        cdef int64_t tok
+        cdef int rc = OK
+        cdef cism_knobs kn
+        if ncand >= 1:
+            rc = self.verify_block(ncand, &n)
+        else:
+            kn = knobs_of(&self.p)
+            tok = choose_token(self.s.logits, self.m.vocab, &kn, self.s.history, self.s.hist_len,
+                               &self.s.rng, &self.s.sampler)
+            if tok < 0:
+                return NOMEM
+            self.emitted[0] = tok
+            n = 1
+        for i in range(n):
+            out[produced[0]] = self.emitted[i]
+            produced[0] += 1
+            seq_account(&self.s, &self.p, self.emitted[i])
+            if self.s.finish != RUNNING:
+                break
+        if rc != OK or self.s.finish != RUNNING:
+            return rc
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        # the accepted drafts are in the state already; only the last token runs
+        rc = self.run(&self.emitted[n - 1], 1, NULL)
+        if rc != OK:
+            return rc
+        memcpy(self.s.history + self.s.hist_len, self.emitted, n * sizeof(int64_t))
+        self.s.hist_len += n
+        return OK
+
+    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
+        cdef size_t budget, k, ncand
+        cdef int rc
+        produced[0] = 0
+        if self.s.finish != RUNNING or wanted == 0:
+            return OK
+        if cism_flag_get(&self.cancelled):
+            return CANCELLED
+        rc = self.run_prompt()
+        if rc != OK:
+            return rc
+        while produced[0] < wanted:
+            if cism_flag_get(&self.cancelled):
+                return CANCELLED
+            budget = wanted - produced[0]
+            ncand = 0
+            if spec_k >= 2:
+                k = spec_k if spec_k < budget - 1 else budget - 1
+                ncand = draft_tokens(self.s.history, self.s.hist_len, k, self.cands)
+                if ncand < 2 and self.draft_armed:
+                    # prompt lookup found nothing: the neural drafter, when armed
+                    rc = self.neural(k, &ncand)
+                    if rc != OK:
+                        return rc
+                if ncand < 2:
+                    ncand = 0  # too short to pay for a verification block
+            rc = self.step(ncand, out, produced)
+            if rc != OK or self.s.finish != RUNNING:
+                return rc
+        return OK
+
+    # ---- Python API ----
+
+    cdef object finish_call(self, int rc):
+        """Turn a return code into session state (and an exception on failure:
+        a failed forward leaves half-written state, so the session is done)."""
+        if rc == OK:
+            return
+        if self.s.finish == RUNNING:
+            self.s.finish = CANCEL
+        cism_flag_set(&self.cancelled, 1)
+        raise_for(rc)
+
+    def next_tokens(self, count, spec_k=0):
+        """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on speculation
+        (greedy only): prompt lookup, then the neural drafter when
+        set_draft_steps armed it; the tokens are identical either way."""
+        count = check_count(count, "count")
+        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
+        cdef int rc
+        cdef int64_t *buf
+        with self.lock:
+            wanted = min(count, self.s.max_new - self.s.generated)
+            out = np.empty(wanted + 1, np.int64)
+            buf = <int64_t*>cnp.PyArray_DATA(out)
+            with nogil:
+                rc = self.generate(wanted, k, buf, &produced)
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
+
+    def prefill(self):
+        """Run the prompt now (next_tokens does it on first use); afterwards
+        last_logits holds the first token's distribution."""
+        cdef int rc
+        with self.lock:
+            with nogil:
+                rc = self.run_prompt()
+            self.finish_call(rc)
+
+    _prefill_now = prefill
+
+    def _nll(self):
+        """Teacher-forced mean NLL of the pending prompt (model.nll), block by block."""
+        cdef size_t n = self.s.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
+        cdef int rc = OK
+        cdef double total = 0, lse
+        cdef float mx
+        cdef const float *row
+        if n < 2:
+            raise ValueError("nll requires at least 2 tokens")
+        with self.lock:
+            with nogil:
+                rc = self.alloc_state()
+                if rc == OK and grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
+                    rc = NOMEM
+                while rc == OK and start < n:
+                    T = n - start
+                    if T > PREFILL_CHUNK:
+                        T = PREFILL_CHUNK
+                    rc = self.run(self.s.prompt + start, T, self.block_logits)
+                    if rc != OK:
+                        break
+                    for i in range(T):
+                        if start + i + 1 >= n:
+                            break
+                        # log-sum-exp in double around the row maximum
+                        row = self.block_logits + i * vocab
+                        mx = row[0]
+                        for v in range(1, vocab):
+                            if row[v] > mx:
+                                mx = row[v]
+                        lse = 0
+                        for v in range(vocab):
+                            lse += exp(<double>row[v] - <double>mx)
+                        total += <double>mx + log(lse) - <double>row[self.s.prompt[start + i + 1]]
+                    start += T
+            self.finish_call(rc)
+            return total / (n - 1)
+
+    def _all_logits(self):
+        cdef size_t n = self.s.prompt_len
+        cdef int rc
+        out = np.empty((n, self.m.vocab), np.float32)
+        cdef float *rows = <float*>cnp.PyArray_DATA(out)
+        with self.lock:
+            with nogil:
+                rc = self.alloc_state()
+                if rc == OK:
+                    rc = self.run(self.s.prompt, n, rows)
+            self.finish_call(rc)
+        return out
+
+    def draft(self, k):
+        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
+        k = min(check_count(k, "k"), MAX_K)
+        cdef int64_t buf[MAX_K]
+        with self.lock:
+            n = draft_tokens(self.s.history, self.s.hist_len, k, buf)
+            return [buf[i] for i in range(n)]
+
+    def set_draft_steps(self, steps):
+        """Arm the neural drafter with the plan steps it leaves out (indices
+        into Model.plan; an empty list drafts with the whole model), or disarm
+        it with None. next_tokens(spec_k=...) uses it when prompt lookup finds
+        nothing; verification keeps the output exactly greedy."""
+        cdef size_t i
+        if steps is None:
+            with self.lock:
+                self.draft_armed = False
+                memset(self.skip, 0, self.m.n_steps)
+            return
+        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
+            raise ValueError("draft steps must be a sequence of plan step indices")
+        chosen = list(steps)
+        for step in chosen:
+            if not is_int(step) or not 0 <= step < self.m.n_steps:
+                raise ValueError(f"draft step out of range: {step!r} (the plan has "
+                                 f"{self.m.n_steps} steps)")
+        with self.lock:
+            memset(self.skip, 0, self.m.n_steps)
+            for step in chosen:
+                self.skip[<size_t>step] = 1
+            self.draft_armed = True
+
+    @property
+    def draft_steps(self):
+        """The plan steps the neural drafter leaves out, or None when disarmed."""
+        if not self.draft_armed:
+            return None
+        return [i for i in range(self.m.n_steps) if self.skip[i]]
+
+    def neural_draft(self, k):
+        """Up to k (<= 16) draft tokens from the neural drafter (the steps of
+        set_draft_steps left out; none when it was never armed), leaving the
+        session's state exactly as it was. Drafts are greedy; fewer than 2
+        tokens are never drafted (the spec returns none for k < 2)."""
+        k = min(check_count(k, "k"), MAX_K)
+        cdef size_t kk = k, n = 0, i
+        cdef int rc
+        with self.lock:
+            if self.s.finish != RUNNING:
+                return []
+            with nogil:
+                rc = self.run_prompt()
+                if rc == OK:
+                    rc = self.neural(kk, &n)
+            self.finish_call(rc)
+            return [self.cands[i] for i in range(n)]
+
+    def verify(self, candidates):
+        """Verify explicit draft tokens greedily and return the tokens emitted
+        (the accepted prefix plus the correction or bonus token), leaving the
+        session exactly as next_tokens would."""
+        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
+            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
+        c = as_tokens(candidates, self.m.vocab, "candidates", True)
+        if len(c) > MAX_K:
+            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
+        cdef size_t produced = 0, n = len(c), i
+        cdef int rc = OK
+        out = np.empty(MAX_K + 1, np.int64)
+        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
+        with self.lock:
+            if n == 0 or self.s.finish != RUNNING:
+                return []
+            for i in range(n):
+                self.cands[i] = c[i]
+            with nogil:
+                rc = self.run_prompt()
+                if rc == OK:
+                    rc = self.step(n, buf, &produced)
+            result = out[:produced].tolist()
+            self.finish_call(rc)
+            return result
+
+    def spec_stats(self):
+        """(proposed, accepted) draft tokens over the session's life."""
+        return (self.spec_proposed, self.spec_accepted)
+
+    def cancel(self):
+        """Stop the session from any thread; it finishes with "cancelled"."""
+        cism_flag_set(&self.cancelled, 1)
+
+    @property
+    def finish_reason(self):
+        """"" while running, then "stop", "length" or "cancelled"."""
+        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
+            return "cancelled"
+        return FINISH_NAMES[self.s.finish]
+
+    @property
+    def generated_tokens(self):
+        return self.s.generated
+
+    @property
+    def position(self):
+        return self.s.position
+
+    @property
+    def capacity(self):
+        return self.s.capacity
+
+    @property
+    def history(self):
+        """Tokens the state has consumed (prompt, then generated)."""
+        return [self.s.history[i] for i in range(self.s.hist_len)]
+
+    @property
+    def last_logits(self):
+        """Logits of the latest forward (the next token's distribution), or
+        None before the prompt has run."""
+        if not self.s.have_logits:
+            return None
+        return logits_copy(self.s.logits, self.m.vocab)

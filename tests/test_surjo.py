@@ -1,0 +1,614 @@
+"""Surjo hybrid: parity with the NumPy reference through safetensors checkpoints,
+block == steps bit for bit, speculative (prompt lookup and neural draft) == greedy,
+thread-count and ISA invariance, cancellation, and every validation message."""
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cism
+import cism.dense
+from cism.surjo import Config, Model, weight_shapes
+
+from conftest import runnable_isas
+from reference import surjo as ref
+
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+
+# Plans covering passes 1-3, per_xsa 1-2, GQA/MHA, conv kernel 1-4, the XSA
+# projection on and off, Hv = H and Hv = 2H, tied and untied heads.
+CASES = {
+    "gqa-p2-k4": dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, vocab=101,
+                      prelude=1, groups=2, per_xsa=2, coda=1, passes=2,
+                      gdn_v_heads=4, gdn_k_dim=12, gdn_v_dim=10, conv_kernel=4),
+    "hv2h-p3-k3-tied": dict(hidden=40, intermediate=64, heads=2, kv_heads=1, head_dim=8, vocab=67,
+                            prelude=0, groups=1, per_xsa=1, coda=2, passes=3,
+                            gdn_v_heads=4, gdn_k_dim=6, gdn_v_dim=5, conv_kernel=3, tied=True),
+    "mha-p1-k1-noproj": dict(hidden=32, intermediate=48, heads=2, kv_heads=2, head_dim=8, vocab=50,
+                             prelude=2, groups=1, per_xsa=1, coda=0, passes=1, xsa_projection=False,
+                             gdn_v_heads=2, gdn_k_dim=8, gdn_v_dim=8, conv_kernel=1),
+    "xsa-groups-only": dict(hidden=32, intermediate=40, heads=2, kv_heads=1, head_dim=8, vocab=41,
+                            prelude=0, groups=2, per_xsa=0, coda=1, passes=2,
+                            gdn_v_heads=2, gdn_k_dim=4, gdn_v_dim=4),  # no GDN layer at all
+    "hv2h-p2-k2-wide": dict(hidden=64, intermediate=96, heads=4, kv_heads=1, head_dim=24, vocab=131,
+                            prelude=1, groups=3, per_xsa=2, coda=0, passes=2,
+                            gdn_v_heads=8, gdn_k_dim=8, gdn_v_dim=6, conv_kernel=2, rope_theta=500.0),
+}
+
+# The default model of the invariance tests: every feature at once.
+BASE = dict(CASES["gqa-p2-k4"], context=512)
+
+
+def make(case=None, precision="fp32", threads=1, seed=0, act_precision="fp32", **kw):
+    fields = dict(CASES[case], context=512) if case else dict(BASE)
+    fields.update(kw)
+    config = Config(**fields)
+    return Model(config, ref.random_weights(ref_config(config), seed), precision, threads,
+                 act_precision)
+
+
+def ref_config(config):
+    """The reference's config dict for a cism Config (the same field names)."""
+    return ref.make_config(**{k: getattr(config, k) for k in (
+        "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "context", "prelude",
+        "groups", "per_xsa", "coda", "passes", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim",
+        "conv_kernel", "xsa_projection", "tied", "eps", "rope_theta")})
+
+
+def save_checkpoint(directory, config, weights, dtype=np.float32):
+    import safetensors.numpy
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_hf()))
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v, dtype) for k, v in weights.items()},
+                                str(directory / "model.safetensors"))
+
+
+def rel_err(got, want):
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+# ------------------------------------------------------ reference parity ---
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_with_reference_through_safetensors(case, tmp_path):
+    config = Config(**CASES[case], context=512)
+    rc = ref_config(config)
+    w = ref.random_weights(rc, seed=len(case))
+    save_checkpoint(tmp_path / case, config, w)
+    model = Model.from_pretrained(tmp_path / case, threads=2)
+    assert model.config == config
+    assert isinstance(cism.load(tmp_path / case, threads=1), Model)
+    tokens = np.random.default_rng(3).integers(0, config.vocab, 24)
+    want = ref.logits(rc, w, tokens)
+    assert rel_err(model.logits_all(tokens), want) < 1e-4
+    assert rel_err(model.logits(tokens), want[-1]) < 1e-4
+    assert model.nll(tokens) == pytest.approx(ref.nll(rc, w, tokens), rel=1e-5)
+    prompt = tokens[:6]
+    assert model.create_session(prompt, 24).next_tokens(24) == ref.greedy(rc, w, prompt, 24)
+
+
+def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
+    """bf16 files load (widened exactly); quantized precisions stay near fp32."""
+    torch = pytest.importorskip("torch")
+    import safetensors.torch
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config), seed=9)
+    save_checkpoint(tmp_path / "bf16", config, {})
+    b16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in w.items()}
+    safetensors.torch.save_file(b16, str(tmp_path / "bf16" / "model.safetensors"))
+    model = Model.from_pretrained(tmp_path / "bf16", threads=1)
+    w16 = {k: v.float().numpy() for k, v in b16.items()}  # torch widens: the oracle
+    tokens = np.arange(30) % config.vocab
+    want = ref.logits(ref_config(config), w16, tokens)
+    assert rel_err(model.logits_all(tokens), want) < 1e-4
+    # each precision equals the reference run on its dequantized matrices. int8
+    # activations add their own rounding (1-2% after one token), which random
+    # weights amplify: the XSA projection subtracts nearly equal vectors, and
+    # the recurrences carry the error along (up to ~20% by the 6th token here)
+    for precision in ("fp16", "int8", "hybrid-int4", "hybrid-fp4"):
+        m = Model(config, w, precision, threads=1)
+        deq = {n: m.matrix(n).dequantize() if v.ndim == 2 else v for n, v in w.items()}
+        got = m.logits_all(tokens)
+        assert rel_err(got, ref.logits(ref_config(config), deq, tokens)) < 1e-4, precision
+        m.set_act_precision("int8")
+        assert rel_err(m.logits_all(tokens), got) < 0.35, precision
+
+
+# ------------------------------------------------------------- invariances ---
+
+@pytest.mark.parametrize("precision,act", [("fp32", "fp32"), ("int8", "int8"), ("hybrid-fp4", "fp32"),
+                                           ("hybrid-int4", "int8")])
+def test_block_equals_steps_bitwise(precision, act):
+    """Logits after each single-token step equal, bit for bit, those of the same
+    tokens run as one block (a 260-token prompt crosses the 256-token chunk)."""
+    model = make(precision=precision, act_precision=act, seed=1)
+    prompt = list(np.random.default_rng(4).integers(0, 101, 260))
+    s = model.create_session(prompt, 8)
+    assert s.last_logits is None
+    generated = []
+    for _ in range(8):
+        generated += s.next_tokens(1)
+        if s.finish_reason:
+            break
+        assert np.array_equal(s.last_logits, model.logits(prompt + generated))
+    assert len(generated) == 8
+    rows = model.logits_all(prompt + generated)
+    assert np.array_equal(rows[-2], model.logits(prompt + generated[:-1]))
+    assert np.array_equal(rows[5], model.logits(prompt[:6]))
+    # greedy decoding is the argmax of the block logits fed back
+    s = model.create_session(prompt[:3], 6)
+    out = s.next_tokens(6)
+    rows = model.logits_all(prompt[:3] + out)
+    assert out == [int(np.argmax(r)) for r in rows[2:-1]]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_thread_count_does_not_change_results(precision):
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config), 2)
+    tokens = list(np.random.default_rng(5).integers(0, 101, 200))  # long enough for every parallel loop
+    base = Model(config, w, precision, threads=1)
+    want = base.logits_all(tokens)
+    gen = base.create_session(tokens[:10], 20).next_tokens(20)
+    for threads in (2, 3):
+        m = Model(config, w, precision, threads=threads)
+        assert np.array_equal(m.logits_all(tokens), want)
+        s = m.create_session(tokens[:10], 20)
+        s.set_draft_steps([i for i, st in enumerate(m.plan) if st[1] == 1])
+        assert s.next_tokens(20, spec_k=4) == gen
+
+
+def test_isa_variants_agree_bitwise(isa_level):
+    """The kernels are bit-identical across ISAs, so the whole forward is."""
+    model = make(precision="int8", act_precision="int8", seed=3)
+    tokens = list(range(0, 101, 3))
+    want = None
+    for isa in runnable_isas():
+        isa_level(isa)
+        got = model.logits_all(tokens)
+        if want is None:
+            want = got
+        assert np.array_equal(got, want), isa
+
+
+# ------------------------------------------------------------ speculation ---
+
+def repetitive_prompt(seed, vocab=101):
+    base = list(np.random.default_rng(seed).integers(0, vocab, 10))
+    return base + base + base[:4]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "hybrid-int4"])
+def test_prompt_lookup_speculation_equals_greedy(precision):
+    model = make(precision=precision, seed=5)
+    prompt = repetitive_prompt(6)
+    want = model.create_session(prompt, 48).next_tokens(48)
+    partial = False
+    for k in (2, 4, 8, 16):
+        s = model.create_session(prompt, 48)
+        assert s.next_tokens(48, spec_k=k) == want, k
+        proposed, accepted = s.spec_stats()
+        assert proposed > 0 and 0 < accepted <= proposed
+        partial |= accepted < proposed
+    assert partial  # some blocks were rejected part-way: restore + replay ran
+    # eos and budget edges inside a verification block
+    eos = want[9]
+    stop = model.create_session(prompt, 48, eos=[eos])
+    assert stop.next_tokens(48, spec_k=8) == want[: want.index(eos) + 1]
+    assert stop.finish_reason == "stop"
+    for budget in (1, 2, 3, 9):
+        s = model.create_session(prompt, budget)
+        assert s.next_tokens(100, spec_k=8) == want[:budget]
+        assert s.finish_reason == "length"
+    s = model.create_session(prompt, 48)
+    got = []
+    for n in (1, 2, 5, 3, 48):
+        got += s.next_tokens(n, spec_k=4)
+    assert got == want
+
+
+@pytest.mark.parametrize("case", ["gqa-p2-k4", "hv2h-p3-k3-tied"])
+def test_neural_draft_speculation_equals_greedy(case):
+    model = make(case, seed=7)
+    plan = model.plan
+    prompt = list(np.random.default_rng(8).permutation(model.config.vocab)[:12])  # no repeats
+    want = model.create_session(prompt, 40).next_tokens(40)
+    # skip the last pass of the group section (and, second variant, the coda too)
+    last_pass = [i for i, st in enumerate(plan) if st[1] == model.config.passes - 1 and st[1] > 0]
+    skips = [last_pass, [i for i, st in enumerate(plan) if st[2] == "gdn"][:2]]
+    partial = False
+    for skip in skips:
+        for k in (2, 4, 8, 16):
+            s = model.create_session(prompt, 40)
+            s.set_draft_steps(skip)
+            assert s.draft_steps == sorted(skip)
+            assert s.next_tokens(40, spec_k=k) == want, (skip, k)
+            proposed, accepted = s.spec_stats()
+            lookup_only = model.create_session(prompt, 40)
+            lookup_only.next_tokens(40, spec_k=k)
+            assert proposed > lookup_only.spec_stats()[0]  # the neural drafter ran
+            partial |= accepted < proposed
+    assert partial
+
+
+def test_neural_draft_leaves_the_state_untouched():
+    model = make(seed=11)
+    prompt = [5, 17, 3, 99, 42, 8]
+    want = model.create_session(prompt, 20).next_tokens(20)
+    s = model.create_session(prompt, 20)
+    assert s.neural_draft(4) == want[:4]  # never armed: the whole model drafts
+    before = s.last_logits
+    s.set_draft_steps([0, 3, 4])
+    drafted = s.neural_draft(16)
+    assert len(drafted) == 16 and drafted[0] == want[0]
+    assert np.array_equal(s.last_logits, before) and s.position == len(prompt)
+    assert s.neural_draft(1) == [] and s.neural_draft(0) == []
+    assert s.next_tokens(3) == want[:3]
+    # verifying the drafter's guesses emits exactly the greedy tokens
+    out = s.verify(s.neural_draft(8))
+    assert out == want[3:3 + len(out)]
+    s.set_draft_steps([])  # nothing skipped: drafts are the greedy continuation
+    n = len(out) + 3
+    assert s.neural_draft(6) == want[n:n + 6]
+    assert s.verify(want[n:n + 6]) == want[n:n + 7]
+    s.set_draft_steps(None)
+    assert s.draft_steps is None
+    assert s.next_tokens(20) == want[n + 7:]
+
+
+def test_verify_and_draft():
+    model = make(seed=12)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    want = model.create_session(prompt, 20).next_tokens(20)
+    s = model.create_session(prompt, 20)
+    s.next_tokens(0)
+    assert s.draft(3) == []  # nothing cached before the prompt runs
+    s.next_tokens(1)
+    from cism.sampling import draft
+    assert s.draft(4) == draft(prompt + want[:1], 4)
+    # a right guess is accepted with a bonus token; a wrong one costs nothing
+    out = s.verify(want[1:4])
+    assert out == want[1:5]
+    # a partly wrong guess: the accepted prefix, then the correction
+    guess = want[5:7] + [(want[7] + 1) % 101, want[8]]
+    assert s.verify(guess) == want[5:8]
+    out2 = s.verify([(want[8] + 1) % 101, 0])
+    assert out2 == [want[8]]
+    assert s.next_tokens(20) == want[9:]
+    with pytest.raises(ValueError, match="at most 16"):
+        s.verify(list(range(17)))
+    with pytest.raises(ValueError, match="greedy"):
+        model.create_session(prompt, 5, temperature=1.0).verify([1, 2])
+
+
+# ---------------------------------------------------------------- sampling ---
+
+def test_sampling_eos_and_length():
+    model = make(seed=13)
+    prompt = [5, 9, 13]
+    greedy = model.create_session(prompt, 30).next_tokens(30)
+    a = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=11).next_tokens(30)
+    b = model.create_session(prompt, 30, temperature=0.9, top_p=0.95, top_k=20, seed=11)
+    assert b.next_tokens(7) + b.next_tokens(23) == a
+    assert model.create_session(prompt, 30, temperature=1.5, top_k=1, seed=3).next_tokens(30) == greedy
+    s = model.create_session(prompt, 30, eos=[greedy[4]])
+    assert s.next_tokens(100) == greedy[: greedy.index(greedy[4]) + 1]
+    assert s.finish_reason == "stop" and s.next_tokens(5) == []
+    s = model.create_session(prompt, 6)
+    assert s.finish_reason == ""
+    assert s.next_tokens(100) == greedy[:6] and s.finish_reason == "length"
+    assert s.generated_tokens == 6 and s.history == prompt + greedy[:5]
+    z = model.create_session(prompt, 0)
+    assert z.finish_reason == "length" and z.next_tokens(3) == []
+
+
+# ------------------------------------------------------------ cancellation ---
+
+def test_cancel_before_and_during_decode_and_prefill():
+    model = make(seed=14, context=4096, hidden=256, intermediate=512, heads=8, kv_heads=4,
+                 head_dim=32, gdn_v_heads=8, gdn_k_dim=32, gdn_v_dim=32, vocab=500)
+    s = model.create_session([1, 2, 3], 10)
+    s.cancel()
+    assert s.next_tokens(5) == [] and s.finish_reason == "cancelled"
+    out = {}
+    s = model.create_session([1, 2, 3], 3000)
+    t = threading.Thread(target=lambda: out.setdefault("tokens", s.next_tokens(3000)))
+    t.start()
+    time.sleep(0.3)
+    s.cancel()
+    t.join()
+    assert s.finish_reason == "cancelled" and len(out["tokens"]) < 3000
+    assert s.next_tokens(3) == []
+    prompt = list(np.random.default_rng(0).integers(0, 500, 3500))
+    s = model.create_session(prompt, 10)
+    t = threading.Thread(target=lambda: out.__setitem__("prefill", s.next_tokens(10)))
+    t.start()
+    time.sleep(0.05)
+    s.cancel()
+    t.join()
+    assert s.finish_reason == "cancelled" and out["prefill"] == []
+    a = model.create_session([1, 2, 3], 5).next_tokens(5)
+    assert a == model.create_session([1, 2, 3], 5).next_tokens(5)
+
+
+# --------------------------------------------------------------- validation ---
+
+def test_config_validation_messages():
+    ok = dict(CASES["gqa-p2-k4"], context=64)
+    c = Config(**ok)
+    assert (c.layers, c.recurrent, c.xsa_slots, c.gdn_states) == (8, 6, 6, 8)
+    cases = [
+        (dict(model_type="llama"), "model_type must be surjo for Surjo models"),
+        (dict(hidden=0), "hidden_size is outside supported bounds"),
+        (dict(hidden=65537), "hidden_size is outside supported bounds"),
+        (dict(intermediate=262145), "intermediate_size is outside supported bounds"),
+        (dict(layers=0), "num_hidden_layers is outside supported bounds"),
+        (dict(groups=64, per_xsa=3), "num_hidden_layers is outside supported bounds"),
+        (dict(heads=513), "num_attention_heads is outside supported bounds"),
+        (dict(kv_heads=0), "num_key_value_heads is outside supported bounds"),
+        (dict(head_dim=1025), "head_dim is outside supported bounds"),
+        (dict(vocab=2_000_001), "vocab_size is outside supported bounds"),
+        (dict(context=1_048_577), "max_position_embeddings is outside supported bounds"),
+        (dict(gdn_v_heads=4097), "gdn_num_v_heads is outside supported bounds"),
+        (dict(gdn_k_dim=0), "gdn_key_dim is outside supported bounds"),
+        (dict(gdn_v_dim=4097), "gdn_value_dim is outside supported bounds"),
+        (dict(conv_kernel=0), r"gdn_conv_kernel_size is outside \[1, 64\]"),
+        (dict(conv_kernel=65), r"gdn_conv_kernel_size is outside \[1, 64\]"),
+        (dict(groups=0), "num_groups and recurrent_passes must be positive"),
+        (dict(passes=0), "num_groups and recurrent_passes must be positive"),
+        (dict(passes=1025), "recurrent_passes is outside supported bounds"),
+        (dict(layers=9), r"prelude \+ groups\*\(per_xsa\+1\) \+ coda must equal layers"),
+        (dict(recurrent=5), r"recurrent_layers must equal groups\*\(per_xsa\+1\)"),
+        (dict(prelude=-1), "num_prelude_layers must be a nonnegative integer"),
+        (dict(coda=1.0), "num_coda_layers must be a nonnegative integer"),
+        (dict(kv_heads=3), "attention heads must divide into KV groups"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(gdn_v_heads=2), "gdn_num_v_heads must be >= heads and divisible by it"),
+        (dict(gdn_v_heads=6), "gdn_num_v_heads must be >= heads and divisible by it"),
+        (dict(allow_neg=True), "gdn_allow_neg_eigval=true is not implemented"),
+        (dict(heads=512, kv_heads=512, head_dim=256, gdn_v_heads=512), "query width is outside"),
+        (dict(eps=0.0), "rms_norm_eps must be finite and positive"),
+        (dict(rope_theta=float("inf")), "rope_theta must be finite and positive"),
+        (dict(hidden=48.0), "hidden_size must be an integer"),
+        (dict(tied=1), "tie_word_embeddings must be true or false"),
+        (dict(xsa_projection="yes"), "xsa_projection must be true or false"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Config(**{**ok, **change})
+
+
+def test_from_hf_mapping_and_refusals():
+    c = Config(**CASES["hv2h-p3-k3-tied"], context=99)
+    d = c.to_hf()
+    assert Config.from_hf(d) == c
+    minimal = {k: d[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                                 "vocab_size", "max_position_embeddings", "num_groups",
+                                 "gdn_layers_per_group", "recurrent_passes", "gdn_num_v_heads",
+                                 "gdn_key_dim", "gdn_value_dim")}
+    m = Config.from_hf(minimal)
+    assert (m.kv_heads, m.head_dim, m.prelude, m.coda, m.conv_kernel, m.xsa_projection, m.tied,
+            m.eps, m.layers) == (2, 20, 0, 0, 4, True, False, np.float32(1e-5), 2)
+    for extra, message in [({"gdn_allow_neg_eigval": True}, "gdn_allow_neg_eigval=true is not implemented"),
+                           ({"num_hidden_layers": 7}, "must equal layers"),
+                           ({"recurrent_layers": 3}, "recurrent_layers must equal"),
+                           ({"gdn_conv_kernel_size": 0}, "gdn_conv_kernel_size"),
+                           ({"rope_scaling": {"type": "yarn"}}, "not implemented"),
+                           ({"hidden_act": "gelu"}, "hidden_act"),
+                           ({"model_type": "qwen3"}, "model_type must be surjo")]:
+        with pytest.raises(ValueError, match=message):
+            Config.from_hf({**d, **extra})
+    for key in ("num_groups", "recurrent_passes", "gdn_layers_per_group", "gdn_key_dim"):
+        with pytest.raises(ValueError, match=f"missing '{key}'"):
+            Config.from_hf({k: v for k, v in d.items() if k != key})
+
+
+def test_weight_validation_messages():
+    config = Config(**BASE)
+    good = ref.random_weights(ref_config(config))
+    Model(config, good, threads=1)
+    g = "model.layers.1.linear_attn."
+    bad = dict(good)
+    del bad[g + "dt_bias"]
+    with pytest.raises(ValueError, match=f"unexpected or missing weights: missing {g}dt_bias"):
+        Model(config, bad)
+    with pytest.raises(ValueError, match="unexpected model.layers.1.self_attn.q_proj.weight"):
+        Model(config, dict(good, **{"model.layers.1.self_attn.q_proj.weight": np.zeros((64, 48), np.float32)}))
+    for name, shape in ((g + "q_conv.conv.weight", (48, 4)), (g + "A_log", (5,)),
+                        ("model.layers.0.self_attn.q_norm.weight", (15,)), (g + "g_proj.1.weight", (40, 11))):
+        with pytest.raises(ValueError, match=f"incorrectly sized weight: {name}"):
+            Model(config, dict(good, **{name: np.zeros(shape, np.float32)}))
+    for name in (g + "v_conv.conv.weight", g + "g_proj.1.bias", "model.layers.2.mlp.down_proj.weight"):
+        a = good[name].copy()
+        a.flat[3] = np.nan
+        with pytest.raises(ValueError, match=f"non-finite weight: {name}"):
+            Model(config, dict(good, **{name: a}))
+    with pytest.raises(ValueError, match="must be a float array"):
+        Model(config, dict(good, **{"model.norm.weight": np.arange(48)}))
+    tied = Config(**{**BASE, "tied": True})
+    w = ref.random_weights(ref_config(tied), has_head=True)
+    with pytest.raises(ValueError, match="tied lm_head.weight must equal model.embed_tokens.weight"):
+        Model(tied, w)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    Model(tied, w)
+    with pytest.raises(ValueError, match="missing lm_head.weight for untied model"):
+        Model(config, {k: v for k, v in good.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="precision must be"):
+        Model(config, good, precision="int4")
+    with pytest.raises(ValueError, match="act_precision must be"):
+        Model(config, good, act_precision="fp16")
+    with pytest.raises(ValueError, match="threads must be in"):
+        Model(config, good, threads=0)
+    with pytest.raises(ValueError, match="config must be a cism.surjo.Config"):
+        Model(cism.dense.Config("llama", 8, 8, 1, 1, 1, 8, 8, 8), good)
+    with pytest.raises(ValueError, match="rope_theta produces non-finite"):
+        bad_theta = Config(**{**BASE, "rope_theta": 1e-45, "head_dim": 16})
+        Model(bad_theta, good)
+    huge = Config(hidden=65536, intermediate=262144, heads=512, kv_heads=512, head_dim=128, vocab=2_000_000,
+                  context=64, prelude=1, groups=1, per_xsa=1, coda=0, passes=1, gdn_v_heads=512,
+                  gdn_k_dim=128, gdn_v_dim=128)
+    with pytest.raises(ValueError, match="64 GiB safety limit"):
+        weight_shapes(huge, True)
+
+
+def test_malformed_checkpoints_name_the_tensor(tmp_path):
+    config = Config(**BASE)
+    good = ref.random_weights(ref_config(config))
+    g = "model.layers.2.linear_attn."
+    broken = {
+        "missing": ({k: v for k, v in good.items() if k != g + "w_proj.weight"},
+                    f"missing {g}w_proj.weight"),
+        "conv-2d": (dict(good, **{g + "k_conv.conv.weight": good[g + "k_conv.conv.weight"][:, 0, :]}),
+                    f"incorrectly sized weight: {g}k_conv.conv.weight"),
+        "transposed": (dict(good, **{g + "f_proj.1.weight": np.ascontiguousarray(good[g + "f_proj.1.weight"].T)}),
+                       f"incorrectly sized weight: {g}f_proj.1.weight"),
+        "inf": (dict(good, **{g + "A_log": np.array([0, np.inf, 0, 0], np.float32)}),
+                f"non-finite weight: {g}A_log"),
+        "extra": (dict(good, **{"model.layers.8.mlp.up_proj.weight": np.zeros((2, 2), np.float32)}),
+                  "unexpected model.layers.8.mlp.up_proj.weight"),
+    }
+    for name, (weights, message) in broken.items():
+        save_checkpoint(tmp_path / name, config, weights)
+        with pytest.raises(ValueError, match=message):
+            Model.from_pretrained(tmp_path / name)
+    d = tmp_path / "config"
+    save_checkpoint(d, config, good)
+    (d / "config.json").write_text(json.dumps({**config.to_hf(), "gdn_allow_neg_eigval": True}))
+    with pytest.raises(ValueError, match="gdn_allow_neg_eigval=true is not implemented"):
+        cism.load(d)
+
+
+def test_session_validation_messages():
+    model = make(context=64)
+    ok = dict(prompt=[1, 2], max_new_tokens=4)
+    cases = [
+        (dict(prompt=[]), "at least one token"),
+        (dict(prompt=[1, 101]), "outside the vocabulary"),
+        (dict(prompt="hello"), "not text"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be a nonnegative integer"),
+        (dict(max_new_tokens=63), "exceeds max_position_embeddings"),
+        (dict(temperature=-0.1), "temperature must be finite and nonnegative"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=102), r"top_k must be in \[0, vocab_size=101\]"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(eos=[101]), "outside the vocabulary"),
+    ]
+    for change, message in cases:
+        args = {**ok, **change}
+        with pytest.raises(ValueError, match=message):
+            model.create_session(args.pop("prompt"), args.pop("max_new_tokens"), **args)
+    s = model.create_session([1, 2], 4)
+    with pytest.raises(ValueError, match="count must be a nonnegative integer"):
+        s.next_tokens(-1)
+    for k in (1, 17):
+        with pytest.raises(ValueError, match=r"spec_k must be 0 \(off\) or in \[2, 16\]"):
+            s.next_tokens(2, spec_k=k)
+    with pytest.raises(ValueError, match="greedy"):
+        model.create_session([1], 4, temperature=0.5).next_tokens(2, spec_k=4)
+    for steps, message in (([len(model.plan)], "draft step out of range"), ([-1], "draft step out of range"),
+                           ([1.0], "draft step out of range"), ("12", "sequence of plan step indices")):
+        with pytest.raises(ValueError, match=message):
+            s.set_draft_steps(steps)
+    with pytest.raises(ValueError, match="k must be a nonnegative integer"):
+        s.neural_draft(-1)
+    with pytest.raises(ValueError, match="nll requires at least 2 tokens"):
+        model.nll([1])
+    big = Config(**{**BASE, "context": 1_048_576, "hidden": 16, "intermediate": 16, "head_dim": 256,
+                    "kv_heads": 4, "gdn_k_dim": 2, "gdn_v_dim": 2})
+    bigm = Model(big, ref.random_weights(ref_config(big)), threads=1)
+    with pytest.raises(ValueError, match="8 GiB safety limit"):
+        bigm.create_session([1], 600_000)
+
+
+def test_model_properties_and_memory_controls():
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config))
+    m = Model(config, w, "hybrid-int4", threads=2, act_precision="int8")
+    assert (m.precision, m.act_precision, m.thread_count) == ("hybrid-int4", "int8", 2)
+    vectors = sum(v.size for v in w.values() if v.ndim == 1 or v.ndim == 3)
+    matrices = [n for n, v in w.items() if v.ndim == 2]
+    assert m.weight_bytes == sum(m.matrix(n).nbytes for n in matrices) + 4 * vectors
+    assert m.matrix("model.layers.0.mlp.up_proj.weight").storage == "int4"
+    assert m.matrix("model.layers.1.mlp.down_proj.weight").storage == "int4"
+    for name in ("model.layers.1.linear_attn.q_proj.weight", "model.layers.1.linear_attn.f_proj.1.weight",
+                 "model.layers.3.self_attn.v_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert m.matrix(name).storage == "int8", name
+    # the group section streams once per pass
+    layer = {i: 0 for i in range(config.layers)}
+    for n in w:
+        if n.startswith("model.layers."):
+            i = int(n.split(".")[2])
+            layer[i] += m.matrix(n).nbytes if w[n].ndim == 2 else 4 * w[n].size
+    assert m.stream_bytes == (m.matrix("lm_head.weight").nbytes + 4 * config.hidden
+                              + sum(layer[st[0]] for st in m.plan))
+    assert [st[:3] for st in m.plan] == config.plan()
+    assert [st[3] for st in m.plan if st[2] == "xsa"] == list(range(6))
+    assert [st[3] for st in m.plan if st[2] == "gdn"] == list(range(8))
+    key = m.compile_key
+    assert len(key) == 32 and key == Model(config, w, "hybrid-int4", threads=2, act_precision="int8").compile_key
+    assert key != Model(config, w, "hybrid-fp4", threads=2, act_precision="int8").compile_key
+    m.set_act_precision("fp32")
+    assert m.compile_key != key and m.act_precision == "fp32"
+    assert m.compile_canonical.startswith("surjo|48|80|4|2|16|101|512|1|2|2|1|2|4|12|10|4|True|False|")
+    assert m.scan() == m.touch() > 0
+    locked = m.lock_pages()
+    assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
+    with pytest.raises(ValueError, match="already locked"):
+        m.lock_pages()
+    m.unlock_pages()
+    with pytest.raises(ValueError, match="not locked"):
+        m.unlock_pages()
+    assert "surjo" in repr(m)
+
+
+# ----------------------------------------------- stateful speculation check ---
+
+def test_any_interleaving_of_session_calls_stays_greedy():
+    """Random sequences of next_tokens (plain and speculative), verify with
+    right, partly right and wrong guesses, neural_draft and set_draft_steps:
+    the emitted tokens are always the plain greedy continuation."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    model = make("hv2h-p3-k3-tied", seed=21)
+    prompt = [3, 14, 15, 9, 26, 5, 3, 14]
+    want = model.create_session(prompt, 60).next_tokens(60)
+    n_steps = len(model.plan)
+    calls = st.one_of(
+        st.tuples(st.just("next"), st.integers(0, 7), st.sampled_from([0, 2, 3, 5, 8, 16])),
+        st.tuples(st.just("verify"), st.integers(1, 16), st.integers(0, 16)),
+        st.tuples(st.just("draft"), st.integers(0, 16), st.just(0)),
+        st.tuples(st.just("steps"), st.sets(st.integers(0, n_steps - 1), max_size=n_steps), st.booleans()))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(calls, max_size=12))
+    def run(ops):
+        s = model.create_session(prompt, 60)
+        out = []
+        for op, a, b in ops:
+            if op == "next":
+                out += s.next_tokens(a, spec_k=b)
+            elif op == "verify":
+                # the true continuation with the candidate at index b (if any) wrong
+                guess = want[len(out):len(out) + a]
+                if b < len(guess):
+                    guess[b] = (guess[b] + 1) % model.config.vocab
+                out += s.verify(guess)
+            elif op == "draft":
+                d = s.neural_draft(a)
+                if s.finish_reason:
+                    assert d == []
+                    continue
+                assert s.position == len(prompt) + len(out)  # nothing moved (after the prefill)
+                room = s.capacity - s.position + 1  # the drafter runs all but its last guess
+                assert len(d) == (min(a, room) if a >= 2 else 0)
+                assert not d or d[0] == want[len(out)]
+            else:
+                s.set_draft_steps(sorted(a) if b else None)
+            assert out == want[:len(out)]
+            assert s.generated_tokens == len(out)
+        out += s.next_tokens(60, spec_k=4)
+        assert out == want
+
+    run()
