@@ -85,10 +85,6 @@ cdef class FwkvModel(WeightStore):
     the LayerNorms stay fp32.
     """
     cdef ModelC c
-    cdef readonly object config
-    cdef str precision_
-    cdef str compile_key_
-    cdef public object source      # the Checkpoint a model was loaded from, if any
 
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
@@ -101,9 +97,10 @@ cdef class FwkvModel(WeightStore):
         protected, mlp = check_precisions(precision, act_precision)
         self.config = config
         self.precision_ = precision
-        self.source = None
         nthreads = resolve_threads(threads)
         self.scan_threads = nthreads
+        self.threads_ = nthreads
+        self.code_version = CODE_VERSION
         shapes = weight_shapes(config)
         arrays = check_weights(weights, shapes)
 
@@ -162,38 +159,8 @@ cdef class FwkvModel(WeightStore):
 
     # ---- properties ----
 
-    @property
-    def precision(self):
-        return self.precision_
-
-    @property
-    def act_precision(self):
-        return "int8" if self.c.act_q8 else "fp32"
-
-    def set_act_precision(self, act_precision):
-        """``"fp32"`` keeps float activations; ``"int8"`` quantizes them per
-        32-element block for the integer kernels. Not while sessions run."""
-        if act_precision not in ("fp32", "int8"):
-            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
-        self.c.act_q8 = act_precision == "int8"
-        for m in self.matrices.values():
-            (<Matrix>m).act_q8 = self.c.act_q8
-        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
-                         str(self.c.threads), _kernels.isa(), CODE_VERSION])
-        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    @property
-    def thread_count(self):
-        return self.c.threads
-
-    @property
-    def compile_key(self):
-        """Stable hash of shape, precisions, thread count, kernel variant and code version."""
-        return self.compile_key_
-
-    @property
-    def compile_canonical(self):
-        return self.config.canonical()
+    cdef void apply_act_precision(self):
+        self.c.act_q8 = self.act_q8_
 
     # ---- sessions and one-shot evaluation ----
 

@@ -39,7 +39,7 @@ from cism._common import FINISH_NAMES
 
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
-from cism._weights import check_precisions, check_weights
+from cism._weights import check_precisions, check_weights, rope_tables
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
@@ -131,12 +131,8 @@ cdef class SurjoModel(WeightStore):
     storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
     """
     cdef ModelC c
-    cdef readonly object config
-    cdef str precision_
     cdef list rope_keep            # inv_freq and the rotary tables (not weights)
     cdef size_t stream_bytes_
-    cdef str compile_key_
-    cdef public object source      # the Checkpoint a model was loaded from, if any
 
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
@@ -148,9 +144,10 @@ cdef class SurjoModel(WeightStore):
         protected, mlp = check_precisions(precision, act_precision)
         self.config = config
         self.precision_ = precision
-        self.source = None
         nthreads = resolve_threads(threads)
         self.scan_threads = nthreads
+        self.threads_ = nthreads
+        self.code_version = CODE_VERSION
         has_head = "lm_head.weight" in weights
         shapes = weight_shapes(config, has_head)
         arrays = check_weights(weights, shapes)
@@ -274,34 +271,13 @@ cdef class SurjoModel(WeightStore):
         return <const float*>cnp.PyArray_DATA(a)
 
     cdef _build_rope(self):
-        """inv_freq[j] = 1 / theta^(2j/d) in float; cos/sin tables of
-        position * inv_freq[j], once, shared read-only by every session
-        (the same formula as cism._dense)."""
-        cdef size_t half = self.c.head_dim // 2, p, j
-        cdef float theta = <float>self.config.rope_theta
-        inv = np.empty(half, np.float32)
-        cdef float[::1] iv = inv
-        for j in range(half):
-            iv[j] = 1.0 / powf(theta, <float>(2 * j) / <float>self.c.head_dim)
-            if not isfinite(iv[j]) or not isfinite(iv[j] * <float>(self.c.context - 1)):
-                raise ValueError("rope_theta produces non-finite FP32 rotary angles")
-        positions = min(self.c.context, ROPE_TABLE_MAX)
-        cos_t = np.empty((positions, half), np.float32)
-        sin_t = np.empty((positions, half), np.float32)
-        cdef float[:, ::1] ct = cos_t
-        cdef float[:, ::1] st = sin_t
-        cdef float angle
-        with nogil:
-            for p in range(positions):
-                for j in range(half):
-                    angle = <float>p * iv[j]
-                    ct[p, j] = cosf(angle)
-                    st[p, j] = sinf(angle)
+        inv, cos_t, sin_t = rope_tables(self.config.rope_theta, self.c.head_dim, self.c.context,
+                                        ROPE_TABLE_MAX)
         self.rope_keep = [inv, cos_t, sin_t]
         self.c.inv_freq = <float*>cnp.PyArray_DATA(inv)
         self.c.rope_cos = <float*>cnp.PyArray_DATA(cos_t)
         self.c.rope_sin = <float*>cnp.PyArray_DATA(sin_t)
-        self.c.rope_positions = positions
+        self.c.rope_positions = cos_t.shape[0]
 
     def __dealloc__(self):
         free(self.c.layer)
@@ -309,29 +285,8 @@ cdef class SurjoModel(WeightStore):
 
     # ---- properties ----
 
-    @property
-    def precision(self):
-        return self.precision_
-
-    @property
-    def act_precision(self):
-        return "int8" if self.c.act_q8 else "fp32"
-
-    def set_act_precision(self, act_precision):
-        """``"fp32"`` keeps float activations; ``"int8"`` quantizes them per
-        32-element block for the integer kernels. Not while sessions run."""
-        if act_precision not in ("fp32", "int8"):
-            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
-        self.c.act_q8 = act_precision == "int8"
-        for m in self.matrices.values():
-            (<Matrix>m).act_q8 = self.c.act_q8
-        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
-                         str(self.c.threads), _kernels.isa(), CODE_VERSION])
-        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    @property
-    def thread_count(self):
-        return self.c.threads
+    cdef void apply_act_precision(self):
+        self.c.act_q8 = self.act_q8_
 
     @property
     def stream_bytes(self):
@@ -339,15 +294,6 @@ cdef class SurjoModel(WeightStore):
         group section once per pass), the final norm and the head; the
         embedding only as one row. Decode roofline = read bandwidth / this."""
         return self.stream_bytes_
-
-    @property
-    def compile_key(self):
-        """Stable hash of shape, precisions, thread count, kernel variant and code version."""
-        return self.compile_key_
-
-    @property
-    def compile_canonical(self):
-        return self.config.canonical()
 
     @property
     def plan(self):

@@ -3,6 +3,13 @@
 from libc.stdint cimport uint64_t
 
 cdef class WeightStore:
+    cdef readonly object config
+    cdef str precision_
+    cdef str compile_key_
+    cdef str code_version
+    cdef int threads_
+    cdef bint act_q8_
+    cdef public object source  # the Checkpoint a model was loaded from, if any
     cdef list keep            # Matrix objects and norm/vector arrays the C pointers point into
     cdef dict matrices        # HF name -> Matrix
     cdef size_t weight_bytes_
@@ -12,3 +19,5 @@ cdef class WeightStore:
     cdef int scan_threads     # threads scan() uses
     cdef object add_matrix(self, name, values, storage, int threads)
     cdef object add_vector(self, name, values)
+    # copy act_q8_ into the family's C model struct (called by set_act_precision)
+    cdef void apply_act_precision(self)

@@ -1,17 +1,21 @@
 """What every model class shares: keeping packed weights and controlling
 their memory (lock_pages, unlock_pages, touch, scan), plus the load-time
 checks of one weight tensor."""
+import hashlib
 import threading
 
 import numpy as np
 
 cimport numpy as cnp
 from cython.parallel cimport prange
+from libc.math cimport cosf, isfinite, powf, sinf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
 from posix.mman cimport mlock, munlock
 
 from cism.matrix cimport Matrix
+
+from cism import _kernels
 
 cnp.import_array()
 
@@ -69,8 +73,37 @@ def weight_array(value, name, shape):
     return a
 
 
+def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768):
+    """Rotary tables: inv_freq[j] = 1 / theta^(2j/d) in float, and cos/sin of
+    position * inv_freq[j] for the first min(context, max_positions)
+    positions (later positions use the same formula on the fly)."""
+    cdef size_t half = head_dim // 2, p, j
+    cdef float th = <float>theta
+    inv = np.empty(half, np.float32)
+    cdef float[::1] iv = inv
+    for j in range(half):
+        iv[j] = 1.0 / powf(th, <float>(2 * j) / <float>head_dim)
+        if not isfinite(iv[j]) or not isfinite(iv[j] * <float>(context - 1)):
+            raise ValueError("rope_theta produces non-finite FP32 rotary angles")
+    positions = min(context, max_positions)
+    cos_t = np.empty((positions, half), np.float32)
+    sin_t = np.empty((positions, half), np.float32)
+    cdef float[:, ::1] ct = cos_t
+    cdef float[:, ::1] st = sin_t
+    cdef float angle
+    with nogil:
+        for p in range(positions):
+            for j in range(half):
+                angle = <float>p * iv[j]
+                ct[p, j] = cosf(angle)
+                st[p, j] = sinf(angle)
+    return inv, cos_t, sin_t
+
+
 cdef class WeightStore:
-    """Packed weights of a model and the controls over their memory."""
+    """Packed weights of a model, the model-wide settings (precision,
+    activation precision, threads, compile key) and the controls over the
+    weights' memory. The model families derive from it."""
 
     def __cinit__(self, *args, **kwargs):
         self.keep = []
@@ -78,6 +111,46 @@ cdef class WeightStore:
         self.weight_bytes_ = 0
         self.lock_ = threading.Lock()
         self.scan_threads = 1
+        self.threads_ = 1
+        self.source = None
+        self.code_version = "cism-1"
+
+    cdef void apply_act_precision(self):
+        pass
+
+    @property
+    def precision(self):
+        return self.precision_
+
+    @property
+    def act_precision(self):
+        return "int8" if self.act_q8_ else "fp32"
+
+    def set_act_precision(self, act_precision):
+        """``"fp32"`` keeps float activations; ``"int8"`` quantizes them per
+        32-element block for the integer kernels. Not while sessions run."""
+        if act_precision not in ("fp32", "int8"):
+            raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+        self.act_q8_ = act_precision == "int8"
+        for m in self.matrices.values():
+            (<Matrix>m).act_q8 = self.act_q8_
+        self.apply_act_precision()
+        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
+                         str(self.threads_), _kernels.isa(), self.code_version])
+        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def thread_count(self):
+        return self.threads_
+
+    @property
+    def compile_key(self):
+        """Stable hash of shape, precisions, thread count, kernel variant and code version."""
+        return self.compile_key_
+
+    @property
+    def compile_canonical(self):
+        return self.config.canonical()
 
     cdef object add_matrix(self, name, values, storage, int threads):
         """Pack one matrix (validated already) and keep it."""
