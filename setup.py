@@ -118,6 +118,7 @@ EXTENSIONS = [
     extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
     extension("cism._common", ["cism/_common.pyx"]),
     extension("cism._weights", ["cism/_weights.pyx"]),
+    extension("cism._session", ["cism/_session.pyx"]),
     extension("cism.paging", ["cism/paging.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),

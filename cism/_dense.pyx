@@ -20,6 +20,8 @@ from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
+from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
+                            core_account, MAX_K, PREFILL_CHUNK)
 from cism._nn cimport add_into, grow_f, rmsnorm, rotate
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
@@ -38,11 +40,7 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 CODE_VERSION = "cism-dense-1"
-DEF MAX_K = 16
 MAX_SPEC_K = MAX_K
-# Prompts are prefilled in chunks of this many tokens: bounded scratch, the
-# activations stay in L2, and chunking changes no result (rows are independent).
-DEF PREFILL_CHUNK = 256
 # Rotary sin/cos are tabulated up to this many positions; later positions are
 # computed with the same formula on the fly.
 DEF ROPE_TABLE_MAX = 32768
@@ -607,49 +605,6 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
 
 # --------------------------------------------------------------- sessions ---
 
-cdef struct Seq:
-    # one sequence's generation state
-    int64_t *prompt            # tokens not yet run (prefilled on first use)
-    size_t prompt_len
-    int64_t *history           # tokens whose keys/values are cached, in order
-    size_t hist_len
-    size_t capacity, position, generated, max_new
-    float *logits              # (vocab,) distribution for the next token
-    bint have_logits
-    cism_mt64 rng
-    cism_sampler sampler
-    int finish
-    KV kv
-
-
-cdef int seq_alloc(Seq *s, const int64_t *prompt, size_t prompt_len, size_t max_new,
-                   size_t vocab, uint64_t seed) noexcept nogil:
-    memset(s, 0, sizeof(Seq))
-    s.capacity = prompt_len + max_new
-    s.max_new = max_new
-    s.prompt = <int64_t*>malloc((prompt_len + 1) * sizeof(int64_t))
-    s.history = <int64_t*>malloc((s.capacity + 1) * sizeof(int64_t))
-    s.logits = <float*>malloc(vocab * sizeof(float))
-    if s.prompt == NULL or s.history == NULL or s.logits == NULL:
-        return NOMEM
-    memcpy(s.prompt, prompt, prompt_len * sizeof(int64_t))
-    s.prompt_len = prompt_len
-    rng_seed(&s.rng, seed)
-    if max_new == 0:
-        s.finish = LENGTH
-    return OK
-
-
-cdef void seq_free(Seq *s) noexcept nogil:
-    free(s.prompt)
-    free(s.history)
-    free(s.logits)
-    sampler_free(&s.sampler)
-    s.prompt = NULL
-    s.history = NULL
-    s.logits = NULL
-
-
 cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
     cdef size_t n = m.layers * capacity * m.kv_width
     kv.capacity = capacity
@@ -671,20 +626,11 @@ cdef void kv_free(KV *kv) noexcept nogil:
     kv.values = NULL
 
 
-cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept nogil:
-    """Count an emitted token: eos -> stop, budget reached -> length."""
-    s.generated += 1
-    if params_eos(p, token):
-        s.finish = STOP
-    elif s.generated == s.max_new:
-        s.finish = LENGTH
-
-
-cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t T,
-                 float *rows, const int *cancel) noexcept nogil:
+cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64_t *tokens,
+                 size_t T, float *rows, const int *cancel) noexcept nogil:
     """Forward T tokens of one sequence at its position, in chunks. rows ==
     NULL: logits of the last token into s.logits; else logits of every token
-    into rows (T, vocab) and the last also into s.logits."""
+    into rows (T, vocab)."""
     cdef size_t start = 0, n, i, vocab = m.vocab
     cdef int rc
     while start < T:
@@ -699,19 +645,18 @@ cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t
         if rows != NULL:
             for i in range(n):
                 w.out_rows[i] = i
-            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, n, rows + start * vocab, cancel)
+            rc = forward(m, w, tokens + start, n, kv, w.out_rows, n, rows + start * vocab, cancel)
         elif start + n == T:
             w.out_rows[0] = n - 1
-            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, 1, s.logits, cancel)
+            rc = forward(m, w, tokens + start, n, kv, w.out_rows, 1, s.logits, cancel)
         else:
-            rc = forward(m, w, tokens + start, n, &s.kv, w.out_rows, 0, NULL, cancel)
+            rc = forward(m, w, tokens + start, n, kv, w.out_rows, 0, NULL, cancel)
         if rc != OK:
             return rc
         s.position += n
         start += n
-    if rows != NULL and T > 0:
-        memcpy(s.logits, rows + (T - 1) * vocab, vocab * sizeof(float))
-    s.have_logits = True
+    if rows == NULL and T > 0:
+        s.have_logits = True
     return OK
 
 
@@ -719,120 +664,33 @@ cdef size_t kv_cache_bytes(const ModelC *m, size_t capacity) noexcept:
     return 2 * sizeof(float) * m.layers * capacity * m.kv_width
 
 
-cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, size_t sequences=1):
-    capacity = prompt_len + max_new
-    if capacity > m.context:
-        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
-                         f"({prompt_len} + {max_new} > {m.context})")
-    kv_bytes = 2 * 4 * m.layers * capacity * m.kv_width * sequences
+cdef object check_kv(const ModelC *m, size_t capacity, size_t sequences=1):
+    kv_bytes = kv_cache_bytes(m, capacity) * sequences
     if kv_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({kv_bytes} bytes)")
 
 
-cdef class SequenceSession:
-    """What Session and PagedSession share: one sequence's state, its sampling
-    settings, scratch, the cancel flag and the lock serialising calls."""
+cdef class Session(DecodeSession):
+    """One generation over a dense model with its own contiguous KV cache
+    ``(layers, capacity, kv_width)``."""
     cdef DenseModel model
     cdef const ModelC *m
-    cdef Seq s
-    cdef Params p
     cdef Work w
-    cdef int cancelled
-    cdef object lock
-
-    def __cinit__(self, *args, **kwargs):
-        memset(&self.s, 0, sizeof(Seq))
-        memset(&self.p, 0, sizeof(Params))
-        memset(&self.w, 0, sizeof(Work))
-
-    def __dealloc__(self):
-        seq_free(&self.s)
-        free(self.p.eos)
-        work_free(&self.w)
-
-    cdef object setup(self, DenseModel model, prompt_tokens, size_t prefix_len, max_new_tokens,
-                      temperature, top_p, top_k, seed, eos, min_p, repetition_penalty):
-        """Validate everything and allocate the sequence (prompt_tokens run
-        first; prefix_len tokens before them are already cached)."""
-        self.model = model
-        self.m = &model.c
-        max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
-        seed = check_seed(seed)
-        check_capacity(self.m, prefix_len + len(prompt_tokens), max_new)
-        if seq_alloc(&self.s, <const int64_t*>cnp.PyArray_DATA(prompt_tokens), len(prompt_tokens),
-                     max_new + prefix_len, model.c.vocab, seed) != OK:
-            raise MemoryError("cannot allocate session state")
-        self.s.max_new = max_new
-        self.s.finish = LENGTH if max_new == 0 else RUNNING
-        self.lock = threading.Lock()
-
-    cdef object finish_call(self, int rc):
-        """Turn a return code into session state (and an exception on failure:
-        a failed forward leaves a half-written cache, so the session is done)."""
-        if rc == OK:
-            return
-        if self.s.finish == RUNNING:
-            self.s.finish = CANCEL
-        cism_flag_set(&self.cancelled, 1)
-        raise_for(rc)
-
-    def cancel(self):
-        """Stop the session from any thread; it finishes with "cancelled"."""
-        cism_flag_set(&self.cancelled, 1)
-
-    @property
-    def finish_reason(self):
-        """"" while running, then "stop", "length" or "cancelled"."""
-        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
-            return "cancelled"
-        return FINISH_NAMES[self.s.finish]
-
-    @property
-    def generated_tokens(self):
-        return self.s.generated
-
-    @property
-    def position(self):
-        return self.s.position
-
-    @property
-    def capacity(self):
-        return self.s.capacity
-
-    @property
-    def history(self):
-        """Tokens whose keys and values are cached (prompt, then generated)."""
-        return [self.s.history[i] for i in range(self.s.hist_len)]
-
-    @property
-    def last_logits(self):
-        """Logits of the latest forward (the next token's distribution), or
-        None before the prompt has run."""
-        if not self.s.have_logits:
-            return None
-        return logits_copy(self.s.logits, self.m.vocab)
-
-
-cdef class Session(SequenceSession):
-    """One generation over a dense model with its own contiguous KV cache
-    ``(layers, capacity, kv_width)``. Calls on one session run one at a
-    time (from any thread); ``cancel()`` is safe at any moment."""
-    cdef float *block_logits     # (ncand, vocab) during verification
-    cdef size_t block_cap
-    cdef size_t spec_proposed, spec_accepted
-    cdef int64_t emitted[MAX_K + 1]
-    cdef int64_t cands[MAX_K]
+    cdef KV kv
     cdef size_t kv_bytes         # reserved in the model's KV budget
 
     def __cinit__(self, *args, **kwargs):
-        self.block_logits = NULL
+        memset(&self.w, 0, sizeof(Work))
+        memset(&self.kv, 0, sizeof(KV))
         self.kv_bytes = 0
 
     def __init__(self, DenseModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        self.setup(model, as_tokens(prompt, model.c.vocab), 0, max_new_tokens, temperature, top_p,
-                   top_k, seed, eos, min_p, repetition_penalty)
+        self.model = model
+        self.m = &model.c
+        self.setup(as_tokens(prompt, model.c.vocab), 0, model.c.vocab, model.c.context,
+                   max_new_tokens, temperature, top_p, top_k, seed, eos, min_p, repetition_penalty)
+        check_kv(self.m, self.s.capacity)
         nbytes = kv_cache_bytes(self.m, self.s.capacity)
         model.reserve_kv(nbytes, "this session")
         self.kv_bytes = nbytes
@@ -840,247 +698,16 @@ cdef class Session(SequenceSession):
     def __dealloc__(self):
         if self.kv_bytes and self.model is not None:
             self.model.release_kv(self.kv_bytes)
-        kv_free(&self.s.kv)
-        free(self.block_logits)
+        kv_free(&self.kv)
+        work_free(&self.w)
 
-    # ---- nogil core ----
+    cdef int alloc(self) noexcept nogil:
+        return kv_alloc(&self.kv, self.m, self.s.capacity)
 
-    cdef int run_prompt(self) noexcept nogil:
-        cdef int rc
-        if self.s.prompt_len == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        # the cache is allocated only once the caller holds a cancellable session
-        if kv_alloc(&self.s.kv, self.m, self.s.capacity) != OK:
-            return NOMEM
-        rc = seq_run(self.m, &self.w, &self.s, self.s.prompt, self.s.prompt_len, NULL, &self.cancelled)
-        if rc != OK:
-            return rc
-        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
-        self.s.hist_len += self.s.prompt_len
-        self.s.prompt_len = 0
-        return OK
-
-    cdef int verify_block(self, size_t ncand, size_t *n_emitted) noexcept nogil:
-        """Greedy verification of cands[:ncand]: emit the head token; when it
-        equals the first candidate, forward the block once, accept the
-        argmax-matching prefix, add the correction (or bonus) token and roll
-        back the positions of rejected drafts. Respects the budget."""
-        cdef size_t allowed = self.s.max_new - self.s.generated
-        cdef size_t accepted = 0, n = 0, vocab = self.m.vocab
-        cdef int rc
-        n_emitted[0] = 0
-        if allowed == 0:
-            return OK
-        self.spec_proposed += ncand
-        self.emitted[0] = <int64_t>argmax(self.s.logits, vocab)
-        n = 1
-        if allowed > 1 and self.emitted[0] == self.cands[0]:
-            accepted = 1
-            if ncand * vocab > self.block_cap:
-                if grow_f(&self.block_logits, ncand * vocab):
-                    return NOMEM
-                self.block_cap = ncand * vocab
-            rc = seq_run(self.m, &self.w, &self.s, self.cands, ncand, self.block_logits, &self.cancelled)
-            if rc != OK:
-                self.spec_accepted += accepted
-                n_emitted[0] = n
-                return rc
-            while accepted < ncand and n < allowed:
-                if <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab) != self.cands[accepted]:
-                    break
-                self.emitted[n] = self.cands[accepted]
-                n += 1
-                accepted += 1
-            if n < allowed:
-                self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
-                n += 1
-            self.s.position -= ncand - accepted
-            self.spec_accepted += accepted
-        n_emitted[0] = n
-        return OK
-
-    cdef int step(self, size_t ncand, int64_t *out, size_t *produced) noexcept nogil:
-        """One decoding step: sample (or verify ncand drafts), account the
-        emitted tokens, forward the last one unless the session finished."""
-        cdef size_t n = 0, i
-        cdef int64_t tok
-        cdef int rc = OK
-        cdef cism_knobs k
-        if ncand >= 1:
-            rc = self.verify_block(ncand, &n)
-        else:
-            k = knobs_of(&self.p)
-            tok = choose_token(self.s.logits, self.m.vocab, &k, self.s.history, self.s.hist_len,
-                               &self.s.rng, &self.s.sampler)
-            if tok < 0:
-                return NOMEM
-            self.emitted[0] = tok
-            n = 1
-        for i in range(n):
-            out[produced[0]] = self.emitted[i]
-            produced[0] += 1
-            seq_account(&self.s, &self.p, self.emitted[i])
-            if self.s.finish != RUNNING:
-                break
-        if rc != OK or self.s.finish != RUNNING:
-            return rc
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        # the accepted drafts are cached already; only the last token runs
-        rc = seq_run(self.m, &self.w, &self.s, &self.emitted[n - 1], 1, NULL, &self.cancelled)
-        if rc != OK:
-            return rc
-        memcpy(self.s.history + self.s.hist_len, self.emitted, n * sizeof(int64_t))
-        self.s.hist_len += n
-        return OK
-
-    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
-        cdef size_t budget, k, ncand
-        cdef int rc
-        produced[0] = 0
-        if self.s.finish != RUNNING or wanted == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        rc = self.run_prompt()
-        if rc != OK:
-            return rc
-        while produced[0] < wanted:
-            if cism_flag_get(&self.cancelled):
-                return CANCELLED
-            budget = wanted - produced[0]
-            ncand = 0
-            if spec_k >= 2:
-                k = spec_k if spec_k < budget - 1 else budget - 1
-                ncand = draft_tokens(self.s.history, self.s.hist_len, k, self.cands)
-                if ncand < 2:
-                    ncand = 0  # too short to pay for a verification block
-            rc = self.step(ncand, out, produced)
-            if rc != OK or self.s.finish != RUNNING:
-                return rc
-        return OK
-
-    # ---- Python API ----
-
-    def next_tokens(self, count, spec_k=0):
-        """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
-        speculation (greedy only); the tokens are identical either way."""
-        count = check_count(count, "count")
-        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
-        cdef int rc
-        cdef int64_t *buf
-        with self.lock:
-            wanted = min(count, self.s.max_new - self.s.generated)
-            out = np.empty(wanted + 1, np.int64)
-            buf = <int64_t*>cnp.PyArray_DATA(out)
-            with nogil:
-                rc = self.generate(wanted, k, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def prefill(self):
-        """Run the prompt now (next_tokens does it on first use); afterwards
-        last_logits holds the first token's distribution."""
-        cdef int rc
-        with self.lock:
-            with nogil:
-                rc = self.run_prompt()
-            self.finish_call(rc)
-
-    _prefill_now = prefill
-
-    def _nll(self):
-        """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
-        cdef size_t n = self.s.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
-        cdef int rc = OK
-        cdef double total = 0, lse
-        cdef float mx
-        cdef const float *row
-        if n < 2:
-            raise ValueError("nll requires at least 2 tokens")
-        with self.lock:
-            with nogil:
-                rc = kv_alloc(&self.s.kv, self.m, self.s.capacity)
-                if rc == OK and grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
-                    rc = NOMEM
-                while rc == OK and start < n:
-                    T = n - start
-                    if T > PREFILL_CHUNK:
-                        T = PREFILL_CHUNK
-                    rc = seq_run(self.m, &self.w, &self.s, self.s.prompt + start, T,
-                                 self.block_logits, &self.cancelled)
-                    if rc != OK:
-                        break
-                    for i in range(T):
-                        if start + i + 1 >= n:
-                            break
-                        # log-sum-exp in double around the row maximum
-                        row = self.block_logits + i * vocab
-                        mx = row[0]
-                        for v in range(1, vocab):
-                            if row[v] > mx:
-                                mx = row[v]
-                        lse = 0
-                        for v in range(vocab):
-                            lse += exp(<double>row[v] - <double>mx)
-                        total += <double>mx + log(lse) - <double>row[self.s.prompt[start + i + 1]]
-                    start += T
-            self.finish_call(rc)
-            return total / (n - 1)
-
-    def _all_logits(self):
-        cdef size_t n = self.s.prompt_len
-        cdef int rc
-        out = np.empty((n, self.m.vocab), np.float32)
-        cdef float *rows = <float*>cnp.PyArray_DATA(out)
-        with self.lock:
-            with nogil:
-                rc = kv_alloc(&self.s.kv, self.m, self.s.capacity)
-                if rc == OK:
-                    rc = seq_run(self.m, &self.w, &self.s, self.s.prompt, n, rows, &self.cancelled)
-            self.finish_call(rc)
-        return out
-
-    def draft(self, k):
-        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
-        k = min(check_count(k, "k"), MAX_K)
-        cdef int64_t buf[MAX_K]
-        with self.lock:
-            n = draft_tokens(self.s.history, self.s.hist_len, k, buf)
-            return [buf[i] for i in range(n)]
-
-    def verify(self, candidates):
-        """Verify explicit draft tokens greedily and return the tokens emitted
-        (the accepted prefix plus the correction or bonus token), leaving the
-        session exactly as next_tokens would."""
-        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
-            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
-        c = as_tokens(candidates, self.m.vocab, "candidates", True)
-        if len(c) > MAX_K:
-            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
-        cdef size_t produced = 0, n = len(c), i
-        cdef int rc = OK
-        out = np.empty(MAX_K + 1, np.int64)
-        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
-        with self.lock:
-            if n == 0 or self.s.finish != RUNNING:
-                return []
-            for i in range(n):
-                self.cands[i] = c[i]
-            with nogil:
-                rc = self.run_prompt()
-                if rc == OK:
-                    rc = self.step(n, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def spec_stats(self):
-        """(proposed, accepted) draft tokens over the session's life."""
-        return (self.spec_proposed, self.spec_accepted)
+    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
+        # rejected drafts need no undo: rows past the position are rewritten
+        # before any query reads them, so the position roll-back in step() is all
+        return seq_run(self.m, &self.w, &self.s, &self.kv, tokens, T, rows, &self.cancelled)
 
 
 # ----------------------------------------------------------- paged KV ---
@@ -1121,11 +748,15 @@ def paged_env_blocks():
     return value if value > 0 else PAGED_DEFAULT_BLOCKS
 
 
-cdef class PagedSession(SequenceSession):
+cdef class PagedSession(SessionState):
     """A generation whose keys and values live in the model's shared block
     pool. Logits are bit-identical to a dense Session on the same tokens;
     under pool pressure other sessions may evict this one, and it then
     recomputes its cache from its tokens on the next call."""
+    cdef DenseModel model
+    cdef const ModelC *m
+    cdef Work w
+    cdef KV kv
     cdef object state
     cdef readonly long long req_id
     cdef int priority_
@@ -1134,6 +765,8 @@ cdef class PagedSession(SequenceSession):
     cdef size_t blocks_cap
 
     def __cinit__(self, *args, **kwargs):
+        memset(&self.w, 0, sizeof(Work))
+        memset(&self.kv, 0, sizeof(KV))
         self.blocks = NULL
         self.req_id = -1
 
@@ -1147,8 +780,11 @@ cdef class PagedSession(SequenceSession):
             prefix, p = _fork["prefix"], _fork["suffix"]
         if not is_int(priority) or not -2**31 <= priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
-        self.setup(model, p, len(prefix), max_new_tokens, temperature, top_p, top_k, seed, eos,
-                   min_p, repetition_penalty)
+        self.model = model
+        self.m = &model.c
+        self.setup(p, len(prefix), model.c.vocab, model.c.context, max_new_tokens, temperature,
+                   top_p, top_k, seed, eos, min_p, repetition_penalty)
+        check_kv(self.m, self.s.capacity)
         self.priority_ = priority
         self.blocks_cap = self.s.capacity // 16 + 2
         self.blocks = <size_t*>malloc(self.blocks_cap * sizeof(size_t))
@@ -1181,6 +817,7 @@ cdef class PagedSession(SequenceSession):
 
     def __dealloc__(self):
         free(self.blocks)
+        work_free(&self.w)
 
     def __del__(self):
         self.release()
@@ -1242,18 +879,18 @@ cdef class PagedSession(SequenceSession):
                 self.blocks[i] = blocks[i]
             kp = pool.k_pages
             vp = pool.v_pages
-            self.s.kv.keys = <float*>cnp.PyArray_DATA(kp)
-            self.s.kv.values = <float*>cnp.PyArray_DATA(vp)
-            self.s.kv.blocks = self.blocks
-            self.s.kv.layers = self.m.layers
-            self.s.kv.kv_width = self.m.kv_width
-            self.s.kv.capacity = self.s.capacity
+            self.kv.keys = <float*>cnp.PyArray_DATA(kp)
+            self.kv.values = <float*>cnp.PyArray_DATA(vp)
+            self.kv.blocks = self.blocks
+            self.kv.layers = self.m.layers
+            self.kv.kv_width = self.m.kv_width
+            self.kv.capacity = self.s.capacity
             with nogil:
-                rc = seq_run(self.m, &self.w, &self.s, <const int64_t*>cnp.PyArray_DATA(run), run_n,
-                             NULL, &self.cancelled)
+                rc = seq_run(self.m, &self.w, &self.s, &self.kv, <const int64_t*>cnp.PyArray_DATA(run),
+                             run_n, NULL, &self.cancelled)
         return rc
 
-    cdef int prefill(self) except? -3:
+    cdef int paged_prompt(self) except? -3:
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
@@ -1281,7 +918,7 @@ cdef class PagedSession(SequenceSession):
                 if wanted and cism_flag_get(&self.cancelled):
                     rc = CANCELLED
                 if wanted and rc == OK:
-                    rc = self.prefill()
+                    rc = self.paged_prompt()
                 while rc == OK and len(out) < wanted:
                     if cism_flag_get(&self.cancelled):
                         rc = CANCELLED
@@ -1294,7 +931,7 @@ cdef class PagedSession(SequenceSession):
                         rc = NOMEM
                         break
                     out.append(tok)
-                    seq_account(&self.s, &self.p, tok)
+                    core_account(&self.s, &self.p, tok)
                     if self.s.finish != RUNNING:
                         break
                     if cism_flag_get(&self.cancelled):
@@ -1316,7 +953,7 @@ cdef class PagedSession(SequenceSession):
         cdef int rc
         with self.lock:
             try:
-                rc = self.prefill()
+                rc = self.paged_prompt()
             except BaseException:
                 self.finish_call(CANCELLED)
                 raise
@@ -1359,7 +996,7 @@ cdef class BatchSession:
     with the same seed (bitwise, logits included)."""
     cdef DenseModel model
     cdef const ModelC *m
-    cdef Seq *seqs
+    cdef SeqCore *seqs
     cdef KV *kvs
     cdef size_t B
     cdef Params p
@@ -1405,21 +1042,24 @@ cdef class BatchSession:
                 if "at least one token" in str(e):
                     raise ValueError(f"each prompt must contain at least one token (prompt {i} is empty)") from None
                 raise
-        for a in arrays:
-            check_capacity(self.m, len(a), max_new)
-        check_capacity(self.m, max(len(a) for a in arrays), max_new, len(arrays))
+        for i, a in enumerate(arrays):
+            if len(a) + max_new > model.c.context:
+                raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                                 f"({len(a)} + {max_new} > {model.c.context}, prompt {i})")
+            check_kv(self.m, len(a) + max_new)
+        check_kv(self.m, max(len(a) for a in arrays) + max_new, len(arrays))
         nbytes = sum(kv_cache_bytes(self.m, len(a) + max_new) for a in arrays)
         model.reserve_kv(nbytes, f"this batch of {len(arrays)} sequences")
         self.kv_bytes = nbytes
         self.B = len(arrays)
-        self.seqs = <Seq*>calloc(self.B, sizeof(Seq))
+        self.seqs = <SeqCore*>calloc(self.B, sizeof(SeqCore))
         self.kvs = <KV*>calloc(self.B, sizeof(KV))
         if self.seqs == NULL or self.kvs == NULL:
             raise MemoryError("cannot allocate batch state")
         for i, a in enumerate(arrays):
             s_i = seq_seeds[i] if seq_seeds is not None else (seed + i) % 2**64
-            if seq_alloc(&self.seqs[i], <const int64_t*>cnp.PyArray_DATA(a), len(a), max_new,
-                         vocab, s_i) != OK:
+            if core_alloc(&self.seqs[i], <const int64_t*>cnp.PyArray_DATA(a), len(a), 0, max_new,
+                          vocab, s_i) != OK:
                 raise MemoryError("cannot allocate batch state")
         self.lock = threading.Lock()
 
@@ -1429,7 +1069,7 @@ cdef class BatchSession:
             self.model.release_kv(self.kv_bytes)
         if self.seqs != NULL:
             for i in range(self.B):
-                seq_free(&self.seqs[i])
+                core_free(&self.seqs[i])
         if self.kvs != NULL:
             for i in range(self.B):
                 kv_free(&self.kvs[i])
@@ -1569,7 +1209,7 @@ cdef class BatchSession:
                     break
                 out[i * count + produced[i]] = tok
                 produced[i] += 1
-                seq_account(&self.seqs[i], &self.p, tok)
+                core_account(&self.seqs[i], &self.p, tok)
                 if self.seqs[i].finish == RUNNING:
                     # finished sequences never run their last token (as in Session)
                     step_toks[n] = tok

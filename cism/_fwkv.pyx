@@ -22,6 +22,8 @@ from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
 from cism._weights cimport WeightStore
+from cism._session cimport DecodeSession, MAX_K, PREFILL_CHUNK
+from cism._nn cimport grow_f
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -39,11 +41,7 @@ cnp.import_array()
 
 
 CODE_VERSION = "cism-fwkv-1"
-DEF MAX_K = 16
 MAX_SPEC_K = MAX_K
-# Prompts run in chunks of this many tokens: bounded scratch, and chunking
-# changes no result (the state carries over exactly).
-DEF PREFILL_CHUNK = 256
 # Columns per work item of the shared.proj products and of the recurrence.
 DEF COLS = 64
 # Below this many multiply-adds the shared.proj products stay on one thread.
@@ -210,14 +208,6 @@ cdef struct Work:
     float *h        # (T, d_model) final-normed rows that need logits
     size_t tokens_cap
     Scratch qs
-
-
-cdef int grow_f(float **p, size_t n) noexcept nogil:
-    cdef float *q = <float*>realloc(p[0], n * sizeof(float) + 64)
-    if q == NULL:
-        return -1
-    p[0] = q
-    return 0
 
 
 cdef int work_reserve(Work *w, const ModelC *m, size_t T) noexcept nogil:
@@ -439,92 +429,48 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, floa
 
 # --------------------------------------------------------------- sessions ---
 
-cdef class Session:
+cdef class Session(DecodeSession):
     """One generation over an FWKV model. Its memory is the WKV state
-    ``(layers, d_model)``, whatever the length. Calls on one session run one
-    at a time (from any thread); ``cancel()`` is safe at any moment."""
+    ``(layers, d_model)``, whatever the length."""
     cdef FwkvModel model
     cdef const ModelC *m
-    cdef int64_t *prompt            # tokens not yet run (prefilled on first use)
-    cdef size_t prompt_len
-    cdef int64_t *history_          # tokens the state has absorbed, in order
-    cdef size_t hist_len
-    cdef size_t capacity_, position_, generated, max_new
-    cdef float *state_              # (layers, d_model)
-    cdef float *logits              # (vocab,) distribution for the next token
-    cdef bint have_logits
-    cdef cism_mt64 rng
-    cdef cism_sampler sampler
-    cdef int finish
-    cdef Params p
     cdef Work w
-    cdef float *block_logits        # (ncand, vocab) during verification
+    cdef float *state_              # (layers, d_model)
     cdef float *snaps               # (ncand + 1, layers, d_model): [0] before the block,
                                     # [t + 1] after candidate t
-    cdef size_t block_cap
-    cdef size_t block_pos           # position before the verification block
-    cdef int cancelled
-    cdef size_t spec_proposed, spec_accepted
-    cdef int64_t emitted[MAX_K + 1]
-    cdef int64_t cands[MAX_K]
-    cdef object lock
+    cdef size_t snaps_cap
+    cdef bint in_block              # run() records the state after each token
 
-    def __cinit__(self):
-        self.prompt = NULL
-        self.history_ = NULL
+    def __cinit__(self, *args, **kwargs):
         self.state_ = NULL
-        self.logits = NULL
-        self.block_logits = NULL
         self.snaps = NULL
-        memset(&self.p, 0, sizeof(Params))
         memset(&self.w, 0, sizeof(Work))
-        memset(&self.sampler, 0, sizeof(cism_sampler))
 
     def __init__(self, FwkvModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
         self.model = model
         self.m = &model.c
-        p = as_tokens(prompt, model.c.vocab)
-        max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
-        seed = check_seed(seed)
-        if len(p) + max_new > model.c.context:
-            raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
-                             f"({len(p)} + {max_new} > {model.c.context})")
         # (the spec's 8 GiB state limit cannot bind: the bounds cap the state at 4 MiB)
-        self.capacity_ = len(p) + max_new
-        self.max_new = max_new
-        self.prompt = <int64_t*>malloc((len(p) + 1) * sizeof(int64_t))
-        self.history_ = <int64_t*>malloc((self.capacity_ + 1) * sizeof(int64_t))
+        self.setup(as_tokens(prompt, model.c.vocab), 0, model.c.vocab, model.c.context,
+                   max_new_tokens, temperature, top_p, top_k, seed, eos, min_p, repetition_penalty)
         self.state_ = <float*>calloc(model.c.layers * model.c.d, sizeof(float))
-        self.logits = <float*>malloc(model.c.vocab * sizeof(float))
-        if self.prompt == NULL or self.history_ == NULL or self.state_ == NULL or self.logits == NULL:
+        if self.state_ == NULL:
             raise MemoryError("cannot allocate session state")
-        memcpy(self.prompt, cnp.PyArray_DATA(p), len(p) * sizeof(int64_t))
-        self.prompt_len = len(p)
-        rng_seed(&self.rng, seed)
-        self.finish = LENGTH if max_new == 0 else RUNNING
-        self.lock = threading.Lock()
 
     def __dealloc__(self):
-        free(self.prompt)
-        free(self.history_)
         free(self.state_)
-        free(self.logits)
-        free(self.block_logits)
         free(self.snaps)
-        free(self.p.eos)
-        sampler_free(&self.sampler)
         work_free(&self.w)
 
-    # ---- nogil core ----
+    # ---- hooks of the decoding loop ----
 
-    cdef int run(self, const int64_t *tokens, size_t T, float *rows, float *snaps) noexcept nogil:
+    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
         """Forward T tokens from the current state, in chunks. rows == NULL:
-        the last token's logits go to self.logits; else every token's logits
-        go to rows (T, vocab) and self.logits is left alone. snaps, if given,
-        receives the state after each token (T, layers, d_model)."""
+        the last token's logits go to s.logits; else every token's logits go
+        to rows (T, vocab). Inside a verification block the state after each
+        token is kept in snaps[1:]."""
         cdef size_t start = 0, n, vocab = self.m.vocab, S = self.m.layers * self.m.d
+        cdef float *snaps = self.snaps + S if self.in_block else NULL
         cdef int rc
         while start < T:
             n = T - start
@@ -537,325 +483,38 @@ cdef class Session:
             elif start + n == T:
                 rc = forward(self.m, &self.w, tokens + start, n, self.state_,
                              snaps + start * S if snaps != NULL else NULL, n - 1,
-                             self.logits, &self.cancelled)
+                             self.s.logits, &self.cancelled)
             else:
                 rc = forward(self.m, &self.w, tokens + start, n, self.state_,
                              snaps + start * S if snaps != NULL else NULL, n, NULL,
                              &self.cancelled)
             if rc != OK:
                 return rc
-            self.position_ += n
+            self.s.position += n
             start += n
         if rows == NULL and T > 0:
-            self.have_logits = True
+            self.s.have_logits = True
         return OK
 
-    cdef int run_prompt(self) noexcept nogil:
-        cdef int rc
-        if self.prompt_len == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        rc = self.run(self.prompt, self.prompt_len, NULL, NULL)
-        if rc != OK:
-            return rc
-        memcpy(self.history_ + self.hist_len, self.prompt, self.prompt_len * sizeof(int64_t))
-        self.hist_len += self.prompt_len
-        self.prompt_len = 0
-        return OK
-
-    cdef int verify_block(self, size_t ncand, size_t *n_emitted, bint *blocked) noexcept nogil:
-        """Greedy verification of cands[:ncand]: emit the head token; when it
-        equals the first candidate, forward all candidates as one block
-        (saving the state before it and after each token), accept the
-        argmax-matching prefix and add the correction (or bonus) token.
-        Respects the budget. The state is left after the whole block;
-        step() then rewinds it to the emitted prefix."""
-        cdef size_t allowed = self.max_new - self.generated
-        cdef size_t accepted = 0, n = 0, vocab = self.m.vocab
+    cdef int block_begin(self, size_t ncand) noexcept nogil:
+        # the recurrence overwrites the state: keep it before the block and
+        # after every candidate, so a partial reject needs no replay
         cdef size_t S = self.m.layers * self.m.d
-        cdef int rc
-        n_emitted[0] = 0
-        blocked[0] = False
-        if allowed == 0:
-            return OK
-        self.spec_proposed += ncand
-        self.emitted[0] = <int64_t>argmax(self.logits, vocab)
-        n = 1
-        if allowed > 1 and self.emitted[0] == self.cands[0]:
-            accepted = 1
-            if ncand > self.block_cap:
-                if grow_f(&self.block_logits, ncand * vocab) or grow_f(&self.snaps, (ncand + 1) * S):
-                    return NOMEM
-                self.block_cap = ncand
-            # the recurrence overwrites the state: checkpoint it, and keep the
-            # state after every candidate so a partial reject needs no replay
-            memcpy(self.snaps, self.state_, S * sizeof(float))
-            self.block_pos = self.position_
-            blocked[0] = True
-            rc = self.run(self.cands, ncand, self.block_logits, self.snaps + S)
-            if rc != OK:
-                self.spec_accepted += accepted
-                n_emitted[0] = n
-                return rc
-            while accepted < ncand and n < allowed:
-                if <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab) != self.cands[accepted]:
-                    break
-                self.emitted[n] = self.cands[accepted]
-                n += 1
-                accepted += 1
-            if n < allowed:
-                self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
-                n += 1
-            self.spec_accepted += accepted
-        n_emitted[0] = n
-        return OK
-
-    cdef void rewind(self, size_t j) noexcept nogil:
-        """After a verification block: the state, logits and position plain
-        decoding has when it is about to run emitted[j], i.e. after
-        emitted[:j] == cands[:j] (j <= accepted <= ncand)."""
-        cdef size_t S = self.m.layers * self.m.d, vocab = self.m.vocab
-        memcpy(self.state_, self.snaps + j * S, S * sizeof(float))
-        if j > 0:
-            memcpy(self.logits, self.block_logits + (j - 1) * vocab, vocab * sizeof(float))
-        self.position_ = self.block_pos + j
-
-    cdef int step(self, size_t ncand, int64_t *out, size_t *produced) noexcept nogil:
-        """One decoding step: sample (or verify ncand drafts), account the
-        emitted tokens, forward the last one unless the session finished.
-        Afterwards the state, logits, position and history are exactly those
-        of plain decoding after the same tokens."""
-        cdef size_t n = 0, i, j = 0
-        cdef bint blocked = False
-        cdef int64_t tok
-        cdef int rc = OK
-        cdef cism_knobs kn
-        if ncand >= 1:
-            rc = self.verify_block(ncand, &n, &blocked)
-        else:
-            kn = knobs_of(&self.p)
-            tok = choose_token(self.logits, self.m.vocab, &kn, self.history_, self.hist_len,
-                               &self.rng, &self.sampler)
-            if tok < 0:
+        if ncand + 1 > self.snaps_cap:
+            if grow_f(&self.snaps, (ncand + 1) * S):
                 return NOMEM
-            self.emitted[0] = tok
-            n = 1
-        for i in range(n):
-            out[produced[0]] = self.emitted[i]
-            produced[0] += 1
-            j = i
-            self.generated += 1
-            if params_eos(&self.p, self.emitted[i]):
-                self.finish = STOP
-            elif self.generated == self.max_new:
-                self.finish = LENGTH
-            if self.finish != RUNNING:
-                break
-        if rc != OK:
-            return rc
-        if blocked:
-            self.rewind(j)
-        # emitted[:j] are in the state now; a finished session never runs its last token
-        memcpy(self.history_ + self.hist_len, self.emitted, j * sizeof(int64_t))
-        self.hist_len += j
-        if self.finish != RUNNING:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        rc = self.run(&self.emitted[j], 1, NULL, NULL)
-        if rc != OK:
-            return rc
-        self.history_[self.hist_len] = self.emitted[j]
-        self.hist_len += 1
+            self.snaps_cap = ncand + 1
+        memcpy(self.snaps, self.state_, S * sizeof(float))
+        self.in_block = True
         return OK
 
-    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
-        cdef size_t budget, k, ncand
-        cdef int rc
-        produced[0] = 0
-        if self.finish != RUNNING or wanted == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        rc = self.run_prompt()
-        if rc != OK:
-            return rc
-        while produced[0] < wanted:
-            if cism_flag_get(&self.cancelled):
-                return CANCELLED
-            budget = wanted - produced[0]
-            ncand = 0
-            if spec_k >= 2:
-                k = spec_k if spec_k < budget - 1 else budget - 1
-                ncand = draft_tokens(self.history_, self.hist_len, k, self.cands)
-                if ncand < 2:
-                    ncand = 0  # too short to pay for a verification block
-            rc = self.step(ncand, out, produced)
-            if rc != OK or self.finish != RUNNING:
-                return rc
+    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
+        cdef size_t S = self.m.layers * self.m.d
+        self.in_block = False
+        memcpy(self.state_, self.snaps + j * S, S * sizeof(float))
         return OK
 
-    # ---- Python API ----
-
-    cdef object finish_call(self, int rc):
-        """Turn a return code into session state (and an exception on failure:
-        a failed forward leaves a half-updated state, so the session is done)."""
-        if rc == OK:
-            return
-        if self.finish == RUNNING:
-            self.finish = CANCEL
-        cism_flag_set(&self.cancelled, 1)
-        raise_for(rc)
-
-    def next_tokens(self, count, spec_k=0):
-        """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on prompt-lookup
-        speculation (greedy only); the tokens are identical either way."""
-        count = check_count(count, "count")
-        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
-        cdef int rc
-        cdef int64_t *buf
-        with self.lock:
-            wanted = min(count, self.max_new - self.generated)
-            out = np.empty(wanted + 1, np.int64)
-            buf = <int64_t*>cnp.PyArray_DATA(out)
-            with nogil:
-                rc = self.generate(wanted, k, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def prefill(self):
-        """Run the prompt now (next_tokens does it on first use); afterwards
-        last_logits holds the first token's distribution."""
-        cdef int rc
-        with self.lock:
-            with nogil:
-                rc = self.run_prompt()
-            self.finish_call(rc)
-
-    _prefill_now = prefill
-
-    def _nll(self):
-        """Teacher-forced mean NLL of the pending prompt (model.nll), chunk by chunk."""
-        cdef size_t n = self.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
-        cdef int rc = OK
-        cdef double total = 0, lse
-        cdef float mx
-        cdef const float *row
-        cdef float *rows = NULL
-        if n < 2:
-            raise ValueError("nll requires at least 2 tokens")
-        with self.lock:
-            with nogil:
-                rows = <float*>malloc(PREFILL_CHUNK * vocab * sizeof(float))
-                if rows == NULL:
-                    rc = NOMEM
-                while rc == OK and start < n:
-                    T = n - start
-                    if T > PREFILL_CHUNK:
-                        T = PREFILL_CHUNK
-                    rc = self.run(self.prompt + start, T, rows, NULL)
-                    if rc != OK:
-                        break
-                    for i in range(T):
-                        if start + i + 1 >= n:
-                            break
-                        # log-sum-exp in double around the row maximum
-                        row = rows + i * vocab
-                        mx = row[0]
-                        for v in range(1, vocab):
-                            if row[v] > mx:
-                                mx = row[v]
-                        lse = 0
-                        for v in range(vocab):
-                            lse += exp(<double>row[v] - <double>mx)
-                        total += <double>mx + log(lse) - <double>row[self.prompt[start + i + 1]]
-                    start += T
-                free(rows)
-            self.finish_call(rc)
-            return total / (n - 1)
-
-    def _all_logits(self):
-        cdef size_t n = self.prompt_len
-        cdef int rc
-        out = np.empty((n, self.m.vocab), np.float32)
-        cdef float *rows = <float*>cnp.PyArray_DATA(out)
-        with self.lock:
-            with nogil:
-                rc = self.run(self.prompt, n, rows, NULL)
-            self.finish_call(rc)
-        return out
-
-    def draft(self, k):
-        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
-        k = min(check_count(k, "k"), MAX_K)
-        cdef int64_t buf[MAX_K]
-        with self.lock:
-            n = draft_tokens(self.history_, self.hist_len, k, buf)
-            return [buf[i] for i in range(n)]
-
-    def verify(self, candidates):
-        """Verify explicit draft tokens greedily and return the tokens emitted
-        (the accepted prefix plus the correction or bonus token), leaving the
-        session exactly as next_tokens would."""
-        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
-            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
-        c = as_tokens(candidates, self.m.vocab, "candidates", True)
-        if len(c) > MAX_K:
-            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
-        cdef size_t produced = 0, n = len(c), i
-        cdef int rc = OK
-        out = np.empty(MAX_K + 1, np.int64)
-        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
-        with self.lock:
-            if n == 0 or self.finish != RUNNING:
-                return []
-            for i in range(n):
-                self.cands[i] = c[i]
-            with nogil:
-                if cism_flag_get(&self.cancelled):
-                    rc = CANCELLED
-                else:
-                    rc = self.run_prompt()
-                if rc == OK:
-                    rc = self.step(n, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def spec_stats(self):
-        """(proposed, accepted) draft tokens over the session's life."""
-        return (self.spec_proposed, self.spec_accepted)
-
-    def cancel(self):
-        """Stop the session from any thread; it finishes with "cancelled"."""
-        cism_flag_set(&self.cancelled, 1)
-
-    @property
-    def finish_reason(self):
-        """"" while running, then "stop", "length" or "cancelled"."""
-        if self.finish == RUNNING and cism_flag_get(&self.cancelled):
-            return "cancelled"
-        return FINISH_NAMES[self.finish]
-
-    @property
-    def generated_tokens(self):
-        return self.generated
-
-    @property
-    def position(self):
-        """Tokens the state has absorbed."""
-        return self.position_
-
-    @property
-    def capacity(self):
-        return self.capacity_
-
-    @property
-    def history(self):
-        """Tokens the state has absorbed (prompt, then generated), in order."""
-        return [self.history_[i] for i in range(self.hist_len)]
+    # ---- FWKV-specific API ----
 
     @property
     def state(self):
@@ -865,11 +524,3 @@ cdef class Session:
             out = np.empty((self.m.layers, self.m.d), np.float32)
             memcpy(cnp.PyArray_DATA(out), self.state_, self.m.layers * self.m.d * sizeof(float))
             return out
-
-    @property
-    def last_logits(self):
-        """Logits of the latest forward (the next token's distribution), or
-        None before the prompt has run."""
-        if not self.have_logits:
-            return None
-        return logits_copy(self.logits, self.m.vocab)

@@ -28,6 +28,7 @@ from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
+from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
 from cism._nn cimport add_into, grow_f, rmsnorm, rotate
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
@@ -46,11 +47,7 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 CODE_VERSION = "cism-surjo-1"
-DEF MAX_K = 16
 MAX_SPEC_K = MAX_K
-# Prompts run in blocks of this many tokens: bounded scratch, and chunking
-# changes no result (see the module docstring).
-DEF PREFILL_CHUNK = 256
 # Rotary sin/cos are tabulated up to this many positions (as in cism._dense).
 DEF ROPE_TABLE_MAX = 32768
 # Conv channels per parallel work item: one cache line of floats per token row.
@@ -755,21 +752,6 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
 
 # --------------------------------------------------------------- sessions ---
 
-cdef struct Seq:
-    # one sequence's generation state
-    int64_t *prompt            # tokens not yet run (prefilled on first use)
-    size_t prompt_len
-    int64_t *history           # tokens whose state is cached, in order
-    size_t hist_len
-    size_t capacity, position, generated, max_new
-    float *logits              # (vocab,) distribution for the next token
-    bint have_logits
-    cism_mt64 rng
-    cism_sampler sampler
-    int finish
-    State st
-
-
 cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil:
     """Empty KV slots, zero GDN states and FIFOs (once per session)."""
     cdef size_t n = m.n_slots * capacity * m.kv_width
@@ -791,16 +773,7 @@ cdef void state_free(State *st) noexcept nogil:
     memset(st, 0, sizeof(State))
 
 
-cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept nogil:
-    """Count an emitted token: eos -> stop, budget reached -> length."""
-    s.generated += 1
-    if params_eos(p, token):
-        s.finish = STOP
-    elif s.generated == s.max_new:
-        s.finish = LENGTH
-
-
-cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t T,
+cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, State *st, const int64_t *tokens, size_t T,
                  float *rows, const uint8_t *skip, float *last, const int *cancel) noexcept nogil:
     """Forward T tokens of the sequence at its position, in blocks. rows ==
     NULL: logits of the last token into last; else logits of every token into
@@ -816,18 +789,18 @@ cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t
         if rows != NULL:
             for i in range(n):
                 w.out_rows[i] = i
-            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, n,
+            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, n,
                          rows + start * vocab, cancel)
         elif start + n == T:
             w.out_rows[0] = n - 1
-            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, 1, last, cancel)
+            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, 1, last, cancel)
         else:
-            rc = forward(m, w, &s.st, tokens + start, n, s.position, skip, w.out_rows, 0, NULL, cancel)
+            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, 0, NULL, cancel)
         if rc != OK:
             return rc
         s.position += n
         start += n
-    if rows != NULL and T > 0:
+    if rows != NULL and last != NULL and T > 0:
         memcpy(last, rows + (T - 1) * vocab, vocab * sizeof(float))
     return OK
 
@@ -843,33 +816,21 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
                          "XSA keys/values and GDN states)")
 
 
-cdef class Session:
+cdef class Session(DecodeSession):
     """One generation over a Surjo model: its own XSA KV slots
-    ``(slots, capacity, kv_width)``, GDN states and conv FIFOs. Calls on one
-    session run one at a time (from any thread); ``cancel()`` is safe at any
-    moment."""
+    ``(slots, capacity, kv_width)``, GDN states and conv FIFOs."""
     cdef SurjoModel model
     cdef const ModelC *m
-    cdef Seq s
-    cdef Params p
     cdef Work w
-    cdef float *block_logits     # (ncand, vocab) during verification
-    cdef size_t block_cap
+    cdef State st
     cdef float *ckpt             # (states, state_len) recurrent checkpoint
     cdef float *draft_logits     # (vocab,) the neural drafter's own logits
     cdef uint8_t *skip           # (steps,) plan steps the neural drafter leaves out
     cdef bint draft_armed
-    cdef int cancelled
-    cdef size_t spec_proposed, spec_accepted
-    cdef int64_t emitted[MAX_K + 1]
-    cdef int64_t cands[MAX_K]
-    cdef object lock
 
-    def __cinit__(self):
-        memset(&self.s, 0, sizeof(Seq))
-        memset(&self.p, 0, sizeof(Params))
+    def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
-        self.block_logits = NULL
+        memset(&self.st, 0, sizeof(State))
         self.ckpt = NULL
         self.draft_logits = NULL
         self.skip = NULL
@@ -879,43 +840,24 @@ cdef class Session:
         self.model = model
         self.m = &model.c
         p = as_tokens(prompt, model.c.vocab)
-        max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, model.c.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
-        seed = check_seed(seed)
-        check_capacity(self.m, len(p), max_new)
-        cdef size_t n = len(p), vocab = model.c.vocab
-        self.s.capacity = n + max_new
-        self.s.max_new = max_new
-        self.s.prompt = <int64_t*>malloc((n + 1) * sizeof(int64_t))
-        self.s.history = <int64_t*>malloc((self.s.capacity + 1) * sizeof(int64_t))
-        self.s.logits = <float*>malloc(vocab * sizeof(float))
+        check_capacity(self.m, len(p), check_count(max_new_tokens, "max_new_tokens"))
+        self.setup(p, 0, model.c.vocab, model.c.context, max_new_tokens, temperature, top_p,
+                   top_k, seed, eos, min_p, repetition_penalty)
         self.skip = <uint8_t*>calloc(self.m.n_steps + 1, 1)
-        if self.s.prompt == NULL or self.s.history == NULL or self.s.logits == NULL or self.skip == NULL:
+        if self.skip == NULL:
             raise MemoryError("cannot allocate session state")
-        memcpy(self.s.prompt, cnp.PyArray_DATA(p), n * sizeof(int64_t))
-        self.s.prompt_len = n
-        rng_seed(&self.s.rng, seed)
-        if max_new == 0:
-            self.s.finish = LENGTH
-        self.lock = threading.Lock()
 
     def __dealloc__(self):
-        free(self.s.prompt)
-        free(self.s.history)
-        free(self.s.logits)
-        sampler_free(&self.s.sampler)
-        state_free(&self.s.st)
-        free(self.p.eos)
-        free(self.block_logits)
+        state_free(&self.st)
         free(self.ckpt)
         free(self.draft_logits)
         free(self.skip)
         work_free(&self.w)
 
-    # ---- nogil core ----
+    # ---- hooks of the decoding loop ----
 
-    cdef int alloc_state(self) noexcept nogil:
-        if state_alloc(&self.s.st, self.m, self.s.capacity) != OK:
+    cdef int alloc(self) noexcept nogil:
+        if state_alloc(&self.st, self.m, self.s.capacity) != OK:
             return NOMEM
         if self.ckpt == NULL:
             self.ckpt = <float*>malloc((self.m.n_states * self.m.state_len + 16) * sizeof(float))
@@ -924,25 +866,36 @@ cdef class Session:
         return OK
 
     cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
-        return seq_run(self.m, &self.w, &self.s, tokens, T, rows, NULL, self.s.logits, &self.cancelled)
+        # with rows (a verification block) the live logits stay untouched
+        cdef int rc = seq_run(self.m, &self.w, &self.s, &self.st, tokens, T, rows, NULL,
+                              self.s.logits if rows == NULL else NULL, &self.cancelled)
+        if rc == OK and rows == NULL and T > 0:
+            self.s.have_logits = True
+        return rc
 
-    cdef int run_prompt(self) noexcept nogil:
-        cdef int rc
-        if self.s.prompt_len == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        # state is allocated only once the caller holds a cancellable session
-        if self.alloc_state() != OK:
-            return NOMEM
-        rc = self.run(self.s.prompt, self.s.prompt_len, NULL)
-        if rc != OK:
-            return rc
-        self.s.have_logits = True
-        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
-        self.s.hist_len += self.s.prompt_len
-        self.s.prompt_len = 0
+    cdef int block_begin(self, size_t ncand) noexcept nogil:
+        # the recurrence cannot be rolled back: checkpoint GDN states and FIFOs.
+        # The XSA key/value tail needs no checkpoint: rows past the position are
+        # rewritten before any query reads them (a deviation from the spec).
+        self.save_states(False)
         return OK
+
+    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
+        """Restore the checkpoint and replay the first j drafts (bit for bit
+        what the block computed for them)."""
+        if j == ncand:
+            return OK
+        self.restore_states(False)
+        self.s.position = self.block_pos
+        # (the replay's last logits equal the block's row j-1, which step() copies)
+        return seq_run(self.m, &self.w, &self.s, &self.st, self.cands, j, NULL, NULL,
+                       self.s.logits, &self.cancelled)
+
+    cdef int fallback_draft(self, size_t k, size_t *ncand) noexcept nogil:
+        ncand[0] = 0
+        if not self.draft_armed:
+            return OK
+        return self.neural(k, ncand)
 
     cdef void save_states(self, bint only_drafted) noexcept nogil:
         """Copy the GDN states and FIFOs to the checkpoint (only_drafted: just
@@ -950,23 +903,23 @@ cdef class Session:
         cdef size_t i, n = self.m.state_len
         cdef int g
         if not only_drafted:
-            memcpy(self.ckpt, self.s.st.rec, self.m.n_states * n * sizeof(float))
+            memcpy(self.ckpt, self.st.rec, self.m.n_states * n * sizeof(float))
             return
         for i in range(self.m.n_steps):
             g = self.m.plan[i].state
             if g >= 0 and not self.skip[i]:
-                memcpy(self.ckpt + g * n, self.s.st.rec + g * n, n * sizeof(float))
+                memcpy(self.ckpt + g * n, self.st.rec + g * n, n * sizeof(float))
 
     cdef void restore_states(self, bint only_drafted) noexcept nogil:
         cdef size_t i, n = self.m.state_len
         cdef int g
         if not only_drafted:
-            memcpy(self.s.st.rec, self.ckpt, self.m.n_states * n * sizeof(float))
+            memcpy(self.st.rec, self.ckpt, self.m.n_states * n * sizeof(float))
             return
         for i in range(self.m.n_steps):
             g = self.m.plan[i].state
             if g >= 0 and not self.skip[i]:
-                memcpy(self.s.st.rec + g * n, self.ckpt + g * n, n * sizeof(float))
+                memcpy(self.st.rec + g * n, self.ckpt + g * n, n * sizeof(float))
 
     cdef int neural(self, size_t k, size_t *ncand) noexcept nogil:
         """Draft up to k tokens into cands: the head is the argmax of the live
@@ -991,7 +944,7 @@ cdef class Session:
         while n < k and self.s.position < self.s.capacity:
             if params_eos(&self.p, self.cands[n - 1]):
                 break
-            rc = seq_run(self.m, &self.w, &self.s, &self.cands[n - 1], 1, NULL, self.skip,
+            rc = seq_run(self.m, &self.w, &self.s, &self.st, &self.cands[n - 1], 1, NULL, self.skip,
                          self.draft_logits, &self.cancelled)
             if rc != OK:
                 break
@@ -1002,224 +955,7 @@ cdef class Session:
         ncand[0] = n
         return rc
 
-    cdef int verify_block(self, size_t ncand, size_t *n_emitted) noexcept nogil:
-        """Greedy verification of cands[:ncand]: emit the head token; when it
-        equals the first candidate, checkpoint the recurrent state, forward the
-        block once, accept the argmax-matching prefix and add the correction
-        (or bonus) token. On a partial accept the checkpoint is restored and
-        the accepted prefix replayed (bit for bit what the block computed).
-        Respects the budget. Unlike the spec, the XSA key/value tail is not
-        checkpointed: rows past the position are dead (every forward writes a
-        position's row before any query reads it), so rolling the position
-        back is enough for them."""
-        cdef size_t allowed = self.s.max_new - self.s.generated
-        cdef size_t accepted = 0, n = 0, vocab = self.m.vocab, pos0
-        cdef int rc
-        n_emitted[0] = 0
-        if allowed == 0:
-            return OK
-        self.spec_proposed += ncand
-        self.emitted[0] = <int64_t>argmax(self.s.logits, vocab)
-        n = 1
-        if allowed > 1 and self.emitted[0] == self.cands[0]:
-            accepted = 1
-            if ncand * vocab > self.block_cap:
-                if grow_f(&self.block_logits, ncand * vocab):
-                    return NOMEM
-                self.block_cap = ncand * vocab
-            pos0 = self.s.position
-            self.save_states(False)
-            rc = self.run(self.cands, ncand, self.block_logits)
-            if rc != OK:
-                self.spec_accepted += accepted
-                n_emitted[0] = n
-                return rc
-            while accepted < ncand and n < allowed:
-                if <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab) != self.cands[accepted]:
-                    break
-                self.emitted[n] = self.cands[accepted]
-                n += 1
-                accepted += 1
-            if n < allowed:
-                self.emitted[n] = <int64_t>argmax(self.block_logits + (accepted - 1) * vocab, vocab)
-                n += 1
-            self.spec_accepted += accepted
-            if accepted < ncand:
-                # the recurrence cannot be rolled back: restore and replay
-                self.restore_states(False)
-                self.s.position = pos0
-                rc = self.run(self.cands, accepted, NULL)
-                if rc != OK:
-                    n_emitted[0] = n
-                    return rc
-        n_emitted[0] = n
-        return OK
-
-    cdef int step(self, size_t ncand, int64_t *out, size_t *produced) noexcept nogil:
-        """One decoding step: sample (or verify ncand drafts), account the
-        emitted tokens, forward the last one unless the session finished."""
-        cdef size_t n = 0, i
-        cdef int64_t tok
-        cdef int rc = OK
-        cdef cism_knobs kn
-        if ncand >= 1:
-            rc = self.verify_block(ncand, &n)
-        else:
-            kn = knobs_of(&self.p)
-            tok = choose_token(self.s.logits, self.m.vocab, &kn, self.s.history, self.s.hist_len,
-                               &self.s.rng, &self.s.sampler)
-            if tok < 0:
-                return NOMEM
-            self.emitted[0] = tok
-            n = 1
-        for i in range(n):
-            out[produced[0]] = self.emitted[i]
-            produced[0] += 1
-            seq_account(&self.s, &self.p, self.emitted[i])
-            if self.s.finish != RUNNING:
-                break
-        if rc != OK or self.s.finish != RUNNING:
-            return rc
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        # the accepted drafts are in the state already; only the last token runs
-        rc = self.run(&self.emitted[n - 1], 1, NULL)
-        if rc != OK:
-            return rc
-        memcpy(self.s.history + self.s.hist_len, self.emitted, n * sizeof(int64_t))
-        self.s.hist_len += n
-        return OK
-
-    cdef int generate(self, size_t wanted, size_t spec_k, int64_t *out, size_t *produced) noexcept nogil:
-        cdef size_t budget, k, ncand
-        cdef int rc
-        produced[0] = 0
-        if self.s.finish != RUNNING or wanted == 0:
-            return OK
-        if cism_flag_get(&self.cancelled):
-            return CANCELLED
-        rc = self.run_prompt()
-        if rc != OK:
-            return rc
-        while produced[0] < wanted:
-            if cism_flag_get(&self.cancelled):
-                return CANCELLED
-            budget = wanted - produced[0]
-            ncand = 0
-            if spec_k >= 2:
-                k = spec_k if spec_k < budget - 1 else budget - 1
-                ncand = draft_tokens(self.s.history, self.s.hist_len, k, self.cands)
-                if ncand < 2 and self.draft_armed:
-                    # prompt lookup found nothing: the neural drafter, when armed
-                    rc = self.neural(k, &ncand)
-                    if rc != OK:
-                        return rc
-                if ncand < 2:
-                    ncand = 0  # too short to pay for a verification block
-            rc = self.step(ncand, out, produced)
-            if rc != OK or self.s.finish != RUNNING:
-                return rc
-        return OK
-
-    # ---- Python API ----
-
-    cdef object finish_call(self, int rc):
-        """Turn a return code into session state (and an exception on failure:
-        a failed forward leaves half-written state, so the session is done)."""
-        if rc == OK:
-            return
-        if self.s.finish == RUNNING:
-            self.s.finish = CANCEL
-        cism_flag_set(&self.cancelled, 1)
-        raise_for(rc)
-
-    def next_tokens(self, count, spec_k=0):
-        """Up to ``count`` new tokens. ``spec_k`` 2..16 turns on speculation
-        (greedy only): prompt lookup, then the neural drafter when
-        set_draft_steps armed it; the tokens are identical either way."""
-        count = check_count(count, "count")
-        cdef size_t produced = 0, wanted, k = check_spec_k(spec_k, &self.p)
-        cdef int rc
-        cdef int64_t *buf
-        with self.lock:
-            wanted = min(count, self.s.max_new - self.s.generated)
-            out = np.empty(wanted + 1, np.int64)
-            buf = <int64_t*>cnp.PyArray_DATA(out)
-            with nogil:
-                rc = self.generate(wanted, k, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def prefill(self):
-        """Run the prompt now (next_tokens does it on first use); afterwards
-        last_logits holds the first token's distribution."""
-        cdef int rc
-        with self.lock:
-            with nogil:
-                rc = self.run_prompt()
-            self.finish_call(rc)
-
-    _prefill_now = prefill
-
-    def _nll(self):
-        """Teacher-forced mean NLL of the pending prompt (model.nll), block by block."""
-        cdef size_t n = self.s.prompt_len, start = 0, T, i, v, vocab = self.m.vocab
-        cdef int rc = OK
-        cdef double total = 0, lse
-        cdef float mx
-        cdef const float *row
-        if n < 2:
-            raise ValueError("nll requires at least 2 tokens")
-        with self.lock:
-            with nogil:
-                rc = self.alloc_state()
-                if rc == OK and grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
-                    rc = NOMEM
-                while rc == OK and start < n:
-                    T = n - start
-                    if T > PREFILL_CHUNK:
-                        T = PREFILL_CHUNK
-                    rc = self.run(self.s.prompt + start, T, self.block_logits)
-                    if rc != OK:
-                        break
-                    for i in range(T):
-                        if start + i + 1 >= n:
-                            break
-                        # log-sum-exp in double around the row maximum
-                        row = self.block_logits + i * vocab
-                        mx = row[0]
-                        for v in range(1, vocab):
-                            if row[v] > mx:
-                                mx = row[v]
-                        lse = 0
-                        for v in range(vocab):
-                            lse += exp(<double>row[v] - <double>mx)
-                        total += <double>mx + log(lse) - <double>row[self.s.prompt[start + i + 1]]
-                    start += T
-            self.finish_call(rc)
-            return total / (n - 1)
-
-    def _all_logits(self):
-        cdef size_t n = self.s.prompt_len
-        cdef int rc
-        out = np.empty((n, self.m.vocab), np.float32)
-        cdef float *rows = <float*>cnp.PyArray_DATA(out)
-        with self.lock:
-            with nogil:
-                rc = self.alloc_state()
-                if rc == OK:
-                    rc = self.run(self.s.prompt, n, rows)
-            self.finish_call(rc)
-        return out
-
-    def draft(self, k):
-        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
-        k = min(check_count(k, "k"), MAX_K)
-        cdef int64_t buf[MAX_K]
-        with self.lock:
-            n = draft_tokens(self.s.history, self.s.hist_len, k, buf)
-            return [buf[i] for i in range(n)]
+    # ---- Surjo-specific API ----
 
     def set_draft_steps(self, steps):
         """Arm the neural drafter with the plan steps it leaves out (indices
@@ -1270,68 +1006,3 @@ cdef class Session:
             self.finish_call(rc)
             return [self.cands[i] for i in range(n)]
 
-    def verify(self, candidates):
-        """Verify explicit draft tokens greedily and return the tokens emitted
-        (the accepted prefix plus the correction or bonus token), leaving the
-        session exactly as next_tokens would."""
-        if self.p.temperature != 0 or self.p.repetition_penalty != 1:
-            raise ValueError("verify needs plain greedy decoding (temperature 0, no repetition_penalty)")
-        c = as_tokens(candidates, self.m.vocab, "candidates", True)
-        if len(c) > MAX_K:
-            raise ValueError(f"at most {MAX_K} candidates, got {len(c)}")
-        cdef size_t produced = 0, n = len(c), i
-        cdef int rc = OK
-        out = np.empty(MAX_K + 1, np.int64)
-        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
-        with self.lock:
-            if n == 0 or self.s.finish != RUNNING:
-                return []
-            for i in range(n):
-                self.cands[i] = c[i]
-            with nogil:
-                rc = self.run_prompt()
-                if rc == OK:
-                    rc = self.step(n, buf, &produced)
-            result = out[:produced].tolist()
-            self.finish_call(rc)
-            return result
-
-    def spec_stats(self):
-        """(proposed, accepted) draft tokens over the session's life."""
-        return (self.spec_proposed, self.spec_accepted)
-
-    def cancel(self):
-        """Stop the session from any thread; it finishes with "cancelled"."""
-        cism_flag_set(&self.cancelled, 1)
-
-    @property
-    def finish_reason(self):
-        """"" while running, then "stop", "length" or "cancelled"."""
-        if self.s.finish == RUNNING and cism_flag_get(&self.cancelled):
-            return "cancelled"
-        return FINISH_NAMES[self.s.finish]
-
-    @property
-    def generated_tokens(self):
-        return self.s.generated
-
-    @property
-    def position(self):
-        return self.s.position
-
-    @property
-    def capacity(self):
-        return self.s.capacity
-
-    @property
-    def history(self):
-        """Tokens the state has consumed (prompt, then generated)."""
-        return [self.s.history[i] for i in range(self.s.hist_len)]
-
-    @property
-    def last_logits(self):
-        """Logits of the latest forward (the next token's distribution), or
-        None before the prompt has run."""
-        if not self.s.have_logits:
-            return None
-        return logits_copy(self.s.logits, self.m.vocab)
