@@ -52,3 +52,4 @@ cdef inline cism_knobs knobs_of(const Params *p) noexcept nogil:
 cdef extern from "flag.h" nogil:
     int cism_flag_get(const int *p)
     void cism_flag_set(int *p, int v)
+    int cism_flag_check(int *p)

@@ -25,7 +25,8 @@ from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argma
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
+                           cism_flag_check)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
@@ -695,7 +696,7 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
 
 
 cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, const KV *kvs,
-                 const size_t *out_rows, size_t n_out, float *logits, const int *cancel) noexcept nogil:
+                 const size_t *out_rows, size_t n_out, float *logits, int *cancel) noexcept nogil:
     """Run T tokens (w.seq_of / w.pos_of give each token's sequence and
     position) through the model; logits of the tokens listed in out_rows go
     to logits (n_out, vocab). Keys and values are written for every token.
@@ -721,7 +722,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
-        if cism_flag_get(cancel):
+        if cism_flag_check(cancel):
             return CANCELLED
         L = &m.layer[l]
         # attention rmsnorm (after the previous layer's MLP residual)
@@ -857,7 +858,7 @@ cdef inline void seq_account(Seq *s, const Params *p, int64_t token) noexcept no
 
 
 cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t T,
-                 float *rows, const int *cancel) noexcept nogil:
+                 float *rows, int *cancel) noexcept nogil:
     """Forward T tokens of one sequence at its position, in chunks. rows ==
     NULL: logits of the last token into s.logits; else logits of every token
     into rows (T, vocab) and the last also into s.logits."""
@@ -889,6 +890,17 @@ cdef int seq_run(const ModelC *m, Work *w, Seq *s, const int64_t *tokens, size_t
         memcpy(s.logits, rows + (T - 1) * vocab, vocab * sizeof(float))
     s.have_logits = True
     return OK
+
+
+cdef object arm_cancel(int *flag, checks):
+    """The sessions' _cancel_after(checks): arm the cancel flag to trip at the
+    checks-th cancellation point the compute reaches (csrc/flag.h), so tests
+    stop a run at every point on purpose instead of by thread timing.
+    cancel() still wins at any time, and a cancelled session stays so."""
+    if not is_int(checks) or not 1 <= checks < 2**31:
+        raise ValueError(f"checks must be an integer in [1, 2^31), got {checks!r}")
+    if not cism_flag_get(flag):
+        cism_flag_set(flag, -<int>checks)
 
 
 cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new, size_t sequences=1):
@@ -951,7 +963,7 @@ cdef class Session:
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         # the cache is allocated only once the caller holds a cancellable session
         if kv_alloc(&self.s.kv, self.m, self.s.capacity) != OK:
@@ -1028,7 +1040,7 @@ cdef class Session:
                 break
         if rc != OK or self.s.finish != RUNNING:
             return rc
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         # the accepted drafts are cached already; only the last token runs
         rc = seq_run(self.m, &self.w, &self.s, &self.emitted[n - 1], 1, NULL, &self.cancelled)
@@ -1044,13 +1056,13 @@ cdef class Session:
         produced[0] = 0
         if self.s.finish != RUNNING or wanted == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         rc = self.run_prompt()
         if rc != OK:
             return rc
         while produced[0] < wanted:
-            if cism_flag_get(&self.cancelled):
+            if cism_flag_check(&self.cancelled):
                 return CANCELLED
             budget = wanted - produced[0]
             ncand = 0
@@ -1197,6 +1209,10 @@ cdef class Session:
     def cancel(self):
         """Stop the session from any thread; it finishes with "cancelled"."""
         cism_flag_set(&self.cancelled, 1)
+
+    def _cancel_after(self, checks):
+        """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
+        arm_cancel(&self.cancelled, checks)
 
     @property
     def finish_reason(self):
@@ -1428,7 +1444,7 @@ cdef class PagedSession:
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         rc = self.forward_tokens(self.s.prompt, self.s.prompt_len, True)
         if rc != OK:
@@ -1457,12 +1473,12 @@ cdef class PagedSession:
                 return out
             wanted = min(count, self.s.max_new - self.s.generated)
             try:
-                if wanted and cism_flag_get(&self.cancelled):
+                if wanted and cism_flag_check(&self.cancelled):
                     rc = CANCELLED
                 if wanted and rc == OK:
                     rc = self.prefill()
                 while rc == OK and len(out) < wanted:
-                    if cism_flag_get(&self.cancelled):
+                    if cism_flag_check(&self.cancelled):
                         rc = CANCELLED
                         break
                     k = knobs_of(&self.p)
@@ -1476,7 +1492,7 @@ cdef class PagedSession:
                     seq_account(&self.s, &self.p, tok)
                     if self.s.finish != RUNNING:
                         break
-                    if cism_flag_get(&self.cancelled):
+                    if cism_flag_check(&self.cancelled):
                         rc = CANCELLED
                         break
                     rc = self.forward_tokens(&tok, 1, False)
@@ -1523,6 +1539,10 @@ cdef class PagedSession:
 
     def cancel(self):
         cism_flag_set(&self.cancelled, 1)
+
+    def _cancel_after(self, checks):
+        """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
+        arm_cancel(&self.cancelled, checks)
 
     @property
     def finish_reason(self):
@@ -1696,7 +1716,7 @@ cdef class BatchSession:
         cdef int rc
         if self.prefilled:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         for i in range(self.B):
             if self.seqs[i].finish == RUNNING:
@@ -1752,12 +1772,12 @@ cdef class BatchSession:
                     wanted[i] = count
                 if wanted[i]:
                     need = True
-        if need and cism_flag_get(&self.cancelled):
+        if need and cism_flag_check(&self.cancelled):
             rc = CANCELLED
         if need and rc == OK:
             rc = self.prefill()
         while need and rc == OK:
-            if cism_flag_get(&self.cancelled):
+            if cism_flag_check(&self.cancelled):
                 rc = CANCELLED
                 break
             # sample one token for every sequence that still needs output
@@ -1820,6 +1840,10 @@ cdef class BatchSession:
     def cancel(self):
         """Cancel every sequence (safe from any thread)."""
         cism_flag_set(&self.cancelled, 1)
+
+    def _cancel_after(self, checks):
+        """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
+        arm_cancel(&self.cancelled, checks)
 
     def cancel_seq(self, index):
         """Finish one sequence with "cancelled" (from the next step on)."""
