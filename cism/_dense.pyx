@@ -472,17 +472,17 @@ cdef class DenseModel:
     def paged_pool_usage(self):
         """(logical used, free, total) blocks of the shared pool."""
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.pool.usage()
 
     def paged_pool_phys_used(self):
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.pool.phys_used()
 
     def paged_pool_max_blocks(self):
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.max_blocks
 
     def paged_pool_reset(self, max_blocks=0):
@@ -490,7 +490,7 @@ cdef class DenseModel:
         live paged sessions recompute their cache on their next call."""
         max_blocks = check_count(max_blocks, "max_blocks")
         st = self._paged_state()
-        with st.lock:
+        with st:
             cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks)
             st.pool = BlockPool(cap, self.c.layers, self.c.kv_width)
             st.max_blocks = cap
@@ -1256,15 +1256,52 @@ DEF PAGED_MAX_BLOCKS = 1 << 20
 
 
 class PagedState:
-    """The block pool one model shares among its paged sessions. ``lock`` is
-    held for every pool operation and for each whole paged forward, so page
-    pointers never move under a running forward."""
+    """The block pool one model shares among its paged sessions. The lock is
+    held (``with state:``) for every pool operation and for each whole paged
+    forward, so page pointers never move under a running forward.
+
+    A session deleted while the lock is busy (the garbage collector can run
+    inside any allocation, including one made under the lock by this very
+    thread) does not wait for it: its request goes on ``orphans`` and whoever
+    takes the lock next frees it."""
 
     def __init__(self, pool, max_blocks):
         self.lock = threading.Lock()
         self.pool = pool
         self.max_blocks = max_blocks
         self.req_ctr = 0
+        self.orphans = []
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            self.collect()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def collect(self):
+        """Free the requests of deleted sessions (with the lock held)."""
+        while self.orphans:
+            req = self.orphans.pop()
+            if self.pool.contains(req):
+                self.pool.free(req)
+
+    def free_or_orphan(self, req):
+        """Free a deleted session's request now if the lock is free, else later."""
+        if self.lock.acquire(False):
+            try:
+                self.collect()
+                if self.pool.contains(req):
+                    self.pool.free(req)
+            finally:
+                self.lock.release()
+        else:
+            self.orphans.append(req)
 
 
 def paged_cap(layers, kv_width, wanted):
@@ -1302,6 +1339,7 @@ cdef class PagedSession:
     cdef size_t recomputes_
     cdef size_t *blocks
     cdef size_t blocks_cap
+    cdef bint released           # set under the pool lock by release()
     cdef object lock
 
     def __cinit__(self):
@@ -1339,7 +1377,7 @@ cdef class PagedSession:
             raise MemoryError("cannot allocate session state")
         self.lock = threading.Lock()
         self.state = model._paged_state()
-        with self.state.lock:
+        with self.state:
             pool = self.state.pool
             if _fork is None:
                 self.state.req_ctr += 1
@@ -1370,18 +1408,25 @@ cdef class PagedSession:
         work_free(&self.w)
 
     def __del__(self):
-        self.release()
+        # never blocks: the collector may run this inside a pool operation
+        if self.state is not None and self.req_id >= 0:
+            self.released = True
+            self.state.free_or_orphan(self.req_id)
 
     def release(self):
-        """Give this session's blocks back to the pool (also done on deletion)."""
+        """Give this session's blocks back to the pool (also done on deletion).
+        The session is finished: a run in progress in another thread stops at
+        its next cancellation point and ends "cancelled"."""
         if self.state is None or self.req_id < 0:
             return
-        with self.state.lock:
+        cism_flag_set(&self.cancelled, 1)
+        with self.state:
+            # under the pool lock, so no forward can allocate blocks again after this
+            self.released = True
             if self.state.pool.contains(self.req_id):
                 self.state.pool.free(self.req_id)
         if self.s.finish == RUNNING:
             self.s.finish = CANCEL
-            cism_flag_set(&self.cancelled, 1)
 
     cdef int forward_tokens(self, const int64_t *tokens, size_t T, bint prefill) except? -3:
         """Ensure blocks (evicting others if needed), then forward T tokens
@@ -1392,7 +1437,9 @@ cdef class PagedSession:
         cdef cnp.ndarray run
         cdef cnp.ndarray kp, vp
         state = self.state
-        with state.lock:
+        with state:
+            if self.released:
+                return CANCELLED
             pool = state.pool
             fresh = not pool.contains(self.req_id)
             recompute = fresh and self.s.hist_len > 0 and self.s.position > 0
@@ -1524,7 +1571,7 @@ cdef class PagedSession:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
         with self.lock:
             self.priority_ = priority
-            with self.state.lock:
+            with self.state:
                 if self.state.pool.contains(self.req_id):
                     self.state.pool.set_priority(self.req_id, priority)
 
