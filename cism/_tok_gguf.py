@@ -11,6 +11,7 @@ uint64 tensor_count, uint64 kv_count, then kv_count times
 (string key, uint32 value_type, value); a string is uint64 length + UTF-8 bytes;
 an array is uint32 element_type, uint64 count, elements.
 """
+import os
 import struct
 
 import numpy as np
@@ -46,6 +47,7 @@ class _Cursor:
         self.pos = 0   # position in buf
         self.base = 0  # file offset of buf[0]
         self.path = path
+        self.size = os.fstat(f.fileno()).st_size
 
     def fail(self, what):
         where = self.base + self.pos
@@ -53,6 +55,10 @@ class _Cursor:
 
     def take(self, n, what):
         end = self.pos + n
+        # Checked against the file before reading: f.read(n) allocates n bytes
+        # up front, so a length from a corrupt header must not reach it.
+        if self.base + end > self.size:
+            self.fail(f"truncated while reading {what}")
         if end > len(self.buf):
             more = self.f.read(max(end - len(self.buf), 1 << 22))
             self.buf = self.buf[self.pos:] + more

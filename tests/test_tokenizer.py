@@ -1009,3 +1009,28 @@ def test_gguf_special_token_kinds(tmp_path):
     assert tok.decode([2, 5, 0, 4], skip_special=True) == "aba<u>"
     assert tok.decode([2, 5, 0, 4]) == "ab<c><u>a<u>"
     assert tok.eos_ids == (3,)
+
+
+def test_gguf_lengths_are_checked_before_reading(tmp_path):
+    """A count or length from the header is checked against the file before
+    the read: f.read(n) allocates n bytes up front, so a 100-byte file that
+    claims a 256 MB array must fail without allocating it (under the fuzz
+    harness's address-space cap this was a MemoryError)."""
+    import tracemalloc
+
+    def gstr(s):
+        return struct.pack("<Q", len(s)) + s
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    model = gstr(b"tokenizer.ggml.model") + struct.pack("<I", 8) + gstr(b"llama")
+    p = tmp_path / "lies.gguf"
+    for lie in (gstr(b"tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 10, 1 << 25),  # u64 array
+                gstr(b"tokenizer.ggml.tokens") + struct.pack("<IQ", 8, 1 << 27)):       # one string
+        p.write_bytes(head + model + lie + b"\0" * 16)
+        tracemalloc.start()
+        try:
+            _raises_naming(p, lambda: Tokenizer.from_gguf(p), "truncated")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
