@@ -1034,3 +1034,18 @@ def test_gguf_lengths_are_checked_before_reading(tmp_path):
         finally:
             tracemalloc.stop()
         assert peak < 16 << 20, peak
+
+
+def test_tokenizer_json_without_unk_token(tmp_path, small_tokenizer_json):
+    """A model that cannot encode "a" (no unk token): loading must not trip on
+    the BOS probe, and encoding unknown text is a ValueError naming the file
+    (HF raises a bare Exception). Found by tests/fuzz/fuzz_tok_json.py."""
+    pytest.importorskip("tokenizers")
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"b": 0}, "unk_token": "?"}}))
+    tok = Tokenizer.from_file(p)
+    assert not tok.add_bos and tok.encode("b") == [0]
+    _raises_naming(p, lambda: tok.encode("a"), "cannot encode")
+    p.write_text('{"model": {"yp": "", "vocab": []}}')   # the fuzzer's input
+    tok = Tokenizer.from_file(p)
+    _raises_naming(p, lambda: tok.encode("a"), "cannot encode")
