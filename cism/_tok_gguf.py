@@ -35,6 +35,9 @@ _ARRAY = 9
 # A vocabulary has at most a few hundred thousand entries; a count far beyond
 # that means a corrupt file, and refusing it avoids a huge allocation.
 _MAX_COUNT = 1 << 28
+# Arrays of arrays deeper than this appear in no real file; without a bound a
+# file of nested array headers would exhaust Python's recursion limit.
+_MAX_ARRAY_DEPTH = 4
 
 
 class _Cursor:
@@ -89,7 +92,7 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8")
 
-    def value(self, vtype, key):
+    def value(self, vtype, key, depth=0):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype][0], key)
         if vtype == _STRING:
@@ -104,7 +107,9 @@ class _Cursor:
             if etype == _STRING:
                 return [self.string(f"{key}[{i}]") for i in range(n)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY, f"{key}[{i}]") for i in range(n)]
+                if depth + 1 >= _MAX_ARRAY_DEPTH:
+                    self.fail(f"{key} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
+                return [self.value(_ARRAY, f"{key}[{i}]", depth + 1) for i in range(n)]
             self.fail(f"unknown element type {etype} in {key}")
         self.fail(f"unknown value type {vtype} for {key}")
 
