@@ -101,6 +101,17 @@ def main(one_input, seeds, name):
         args.append(f"-max_len={MAX_LEN}")
     if not any(a.startswith("-timeout=") for a in args):
         args.append("-timeout=10")
+    dicts = {"safetensors": "safetensors", "hf_dir": "safetensors", "tok_json": "tokenizer_json",
+             "tok_gpt2": "tokenizer_json"}
+    if name in dicts and not any(a.startswith("-dict=") for a in args):
+        # libFuzzer takes one dictionary: the format's words and JSON's, merged
+        merged = os.path.join(HERE, "corpus", f"{name}.dict")
+        os.makedirs(os.path.dirname(merged), exist_ok=True)
+        with open(merged, "w") as out:
+            for part in ("json", dicts[name]):
+                with open(os.path.join(HERE, "dicts", f"{part}.dict")) as f:
+                    out.write(f.read())
+        args.append(f"-dict={merged}")
     if not any(a.startswith("-artifact_prefix=") for a in args):
         artifacts = os.path.join(HERE, "artifacts")
         os.makedirs(artifacts, exist_ok=True)
