@@ -6,6 +6,7 @@ Switches (environment variables at build time):
   CISM_SANITIZE=...    e.g. "address,undefined": build with those sanitizers
   CISM_NO_OPENMP=1     build single-threaded even when OpenMP works
 """
+import glob
 import os
 import platform
 import shutil
@@ -29,6 +30,10 @@ X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 BASE_CFLAGS = ["-std=c11", "-ffp-contract=off", "-fno-math-errno"]
 OPT_CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 SAN_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g"] if SANITIZE else []
+# Undefined behaviour aborts at its first report instead of printing and going
+# on, so a test run cannot pass over it (docs/HARDENING.md).
+if "undefined" in SANITIZE.split(","):
+    SAN_FLAGS.append("-fno-sanitize-recover=undefined")
 
 # ISA variants: name -> flags. One table; nothing ISA-specific anywhere else.
 ISA_FLAGS = {
@@ -49,6 +54,9 @@ KERNEL_SOURCES = [
     ("csrc/act/act_avx512.c", "avx512"),
     ("csrc/dispatch.c", "ref"),
 ]
+# Every shared header: a change to any of them rebuilds what includes it
+# (flag.h and memscan.h are included by Cython modules, not only by kernels).
+HEADERS = sorted(glob.glob(os.path.join("csrc", "*.h")))
 
 
 def probe_openmp():
@@ -92,7 +100,7 @@ class BuildExt(build_ext):
             flags = BASE_CFLAGS + OPT_CFLAGS + SAN_FLAGS + ["-fPIC"] + ISA_FLAGS[isa]
             objects += self.compiler.compile(
                 [path], output_dir=self.build_temp, include_dirs=["csrc"],
-                extra_postargs=flags, depends=["csrc/kernels.h", "csrc/formats.h"])
+                extra_postargs=flags, depends=HEADERS)
         for ext in self.extensions:
             if ext.name == "cism._kernels":
                 ext.extra_objects = list(objects)
@@ -109,7 +117,7 @@ def extension(name, sources):
         name, sources, include_dirs=["csrc", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=compile_args, extra_link_args=link_args,
-        depends=["csrc/kernels.h", "csrc/formats.h"])
+        depends=HEADERS)
 
 
 EXTENSIONS = [

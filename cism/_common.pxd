@@ -32,6 +32,7 @@ cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos
 cdef object raise_for(int rc, what=*)
 cdef object logits_copy(const float *p, size_t n)
 cdef object check_spec_k(spec_k, const Params *p)
+cdef object arm_cancel(int *flag, checks)
 
 cdef inline bint params_eos(const Params *p, int64_t token) noexcept nogil:
     cdef size_t i
@@ -52,3 +53,4 @@ cdef inline cism_knobs knobs_of(const Params *p) noexcept nogil:
 cdef extern from "flag.h" nogil:
     int cism_flag_get(const int *p)
     void cism_flag_set(int *p, int v)
+    int cism_flag_check(int *p)

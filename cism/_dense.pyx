@@ -28,7 +28,8 @@ from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argma
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
+                           cism_flag_check, arm_cancel)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
@@ -314,17 +315,17 @@ cdef class DenseModel(WeightStore):
     def paged_pool_usage(self):
         """(logical used, free, total) blocks of the shared pool."""
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.pool.usage()
 
     def paged_pool_phys_used(self):
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.pool.phys_used()
 
     def paged_pool_max_blocks(self):
         st = self._paged_state()
-        with st.lock:
+        with st:
             return st.max_blocks
 
     def paged_pool_reset(self, max_blocks=0):
@@ -332,7 +333,7 @@ cdef class DenseModel(WeightStore):
         live paged sessions recompute their cache on their next call."""
         max_blocks = check_count(max_blocks, "max_blocks")
         st = self._paged_state()
-        with st.lock:
+        with st:
             cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks)
             old = st.pool.kv_bytes()
             new = cap * self.c.layers * 16 * self.c.kv_width * 8
@@ -517,7 +518,7 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
 
 
 cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, const KV *kvs,
-                 const size_t *out_rows, size_t n_out, float *logits, const int *cancel) noexcept nogil:
+                 const size_t *out_rows, size_t n_out, float *logits, int *cancel) noexcept nogil:
     """Run T tokens (w.seq_of / w.pos_of give each token's sequence and
     position) through the model; logits of the tokens listed in out_rows go
     to logits (n_out, vocab). Keys and values are written for every token.
@@ -543,7 +544,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
-        if cism_flag_get(cancel):
+        if cism_flag_check(cancel):
             return CANCELLED
         L = &m.layer[l]
         # attention rmsnorm (after the previous layer's MLP residual)
@@ -627,7 +628,7 @@ cdef void kv_free(KV *kv) noexcept nogil:
 
 
 cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64_t *tokens,
-                 size_t T, float *rows, const int *cancel) noexcept nogil:
+                 size_t T, float *rows, int *cancel) noexcept nogil:
     """Forward T tokens of one sequence at its position, in chunks. rows ==
     NULL: logits of the last token into s.logits; else logits of every token
     into rows (T, vocab)."""
@@ -719,15 +720,52 @@ DEF PAGED_MAX_BLOCKS = 1 << 20
 
 
 class PagedState:
-    """The block pool one model shares among its paged sessions. ``lock`` is
-    held for every pool operation and for each whole paged forward, so page
-    pointers never move under a running forward."""
+    """The block pool one model shares among its paged sessions. The lock is
+    held (``with state:``) for every pool operation and for each whole paged
+    forward, so page pointers never move under a running forward.
+
+    A session deleted while the lock is busy (the garbage collector can run
+    inside any allocation, including one made under the lock by this very
+    thread) does not wait for it: its request goes on ``orphans`` and whoever
+    takes the lock next frees it."""
 
     def __init__(self, pool, max_blocks):
         self.lock = threading.Lock()
         self.pool = pool
         self.max_blocks = max_blocks
         self.req_ctr = 0
+        self.orphans = []
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            self.collect()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def collect(self):
+        """Free the requests of deleted sessions (with the lock held)."""
+        while self.orphans:
+            req = self.orphans.pop()
+            if self.pool.contains(req):
+                self.pool.free(req)
+
+    def free_or_orphan(self, req):
+        """Free a deleted session's request now if the lock is free, else later."""
+        if self.lock.acquire(False):
+            try:
+                self.collect()
+                if self.pool.contains(req):
+                    self.pool.free(req)
+            finally:
+                self.lock.release()
+        else:
+            self.orphans.append(req)
 
 
 def paged_cap(layers, kv_width, wanted):
@@ -763,6 +801,7 @@ cdef class PagedSession(SessionState):
     cdef size_t recomputes_
     cdef size_t *blocks
     cdef size_t blocks_cap
+    cdef bint released           # set under the pool lock by release()
 
     def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
@@ -791,7 +830,7 @@ cdef class PagedSession(SessionState):
         if self.blocks == NULL:
             raise MemoryError("cannot allocate session state")
         self.state = model._paged_state()
-        with self.state.lock:
+        with self.state:
             pool = self.state.pool
             if _fork is None:
                 self.state.req_ctr += 1
@@ -820,18 +859,25 @@ cdef class PagedSession(SessionState):
         work_free(&self.w)
 
     def __del__(self):
-        self.release()
+        # never blocks: the collector may run this inside a pool operation
+        if self.state is not None and self.req_id >= 0:
+            self.released = True
+            self.state.free_or_orphan(self.req_id)
 
     def release(self):
-        """Give this session's blocks back to the pool (also done on deletion)."""
+        """Give this session's blocks back to the pool (also done on deletion).
+        The session is finished: a run in progress in another thread stops at
+        its next cancellation point and ends "cancelled"."""
         if self.state is None or self.req_id < 0:
             return
-        with self.state.lock:
+        cism_flag_set(&self.cancelled, 1)
+        with self.state:
+            # under the pool lock, so no forward can allocate blocks again after this
+            self.released = True
             if self.state.pool.contains(self.req_id):
                 self.state.pool.free(self.req_id)
         if self.s.finish == RUNNING:
             self.s.finish = CANCEL
-            cism_flag_set(&self.cancelled, 1)
 
     cdef int forward_tokens(self, const int64_t *tokens, size_t T, bint prefill) except? -3:
         """Ensure blocks (evicting others if needed), then forward T tokens
@@ -842,7 +888,9 @@ cdef class PagedSession(SessionState):
         cdef cnp.ndarray run
         cdef cnp.ndarray kp, vp
         state = self.state
-        with state.lock:
+        with state:
+            if self.released:
+                return CANCELLED
             pool = state.pool
             fresh = not pool.contains(self.req_id)
             recompute = fresh and self.s.hist_len > 0 and self.s.position > 0
@@ -894,7 +942,7 @@ cdef class PagedSession(SessionState):
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         rc = self.forward_tokens(self.s.prompt, self.s.prompt_len, True)
         if rc != OK:
@@ -915,12 +963,12 @@ cdef class PagedSession(SessionState):
                 return out
             wanted = min(count, self.s.max_new - self.s.generated)
             try:
-                if wanted and cism_flag_get(&self.cancelled):
+                if wanted and cism_flag_check(&self.cancelled):
                     rc = CANCELLED
                 if wanted and rc == OK:
                     rc = self.paged_prompt()
                 while rc == OK and len(out) < wanted:
-                    if cism_flag_get(&self.cancelled):
+                    if cism_flag_check(&self.cancelled):
                         rc = CANCELLED
                         break
                     k = knobs_of(&self.p)
@@ -934,7 +982,7 @@ cdef class PagedSession(SessionState):
                     core_account(&self.s, &self.p, tok)
                     if self.s.finish != RUNNING:
                         break
-                    if cism_flag_get(&self.cancelled):
+                    if cism_flag_check(&self.cancelled):
                         rc = CANCELLED
                         break
                     rc = self.forward_tokens(&tok, 1, False)
@@ -966,7 +1014,7 @@ cdef class PagedSession(SessionState):
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
         with self.lock:
             self.priority_ = priority
-            with self.state.lock:
+            with self.state:
                 if self.state.pool.contains(self.req_id):
                     self.state.pool.set_priority(self.req_id, priority)
 
@@ -1133,7 +1181,7 @@ cdef class BatchSession:
         cdef int rc
         if self.prefilled:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         for i in range(self.B):
             if self.seqs[i].finish == RUNNING:
@@ -1189,12 +1237,12 @@ cdef class BatchSession:
                     wanted[i] = count
                 if wanted[i]:
                     need = True
-        if need and cism_flag_get(&self.cancelled):
+        if need and cism_flag_check(&self.cancelled):
             rc = CANCELLED
         if need and rc == OK:
             rc = self.prefill()
         while need and rc == OK:
-            if cism_flag_get(&self.cancelled):
+            if cism_flag_check(&self.cancelled):
                 rc = CANCELLED
                 break
             # sample one token for every sequence that still needs output
@@ -1257,6 +1305,10 @@ cdef class BatchSession:
     def cancel(self):
         """Cancel every sequence (safe from any thread)."""
         cism_flag_set(&self.cancelled, 1)
+
+    def _cancel_after(self, checks):
+        """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
+        arm_cancel(&self.cancelled, checks)
 
     def cancel_seq(self, index):
         """Finish one sequence with "cancelled" (from the next step on)."""

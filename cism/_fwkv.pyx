@@ -29,7 +29,8 @@ from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argma
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
+                           cism_flag_check)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
@@ -351,7 +352,7 @@ cdef inline void wkv_columns(const cism_kernels *K, const float *decay, Work *w,
 
 
 cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, float *state,
-                 float *snaps, size_t first_out, float *logits, const int *cancel) noexcept nogil:
+                 float *snaps, size_t first_out, float *logits, int *cancel) noexcept nogil:
     """Run T tokens from the WKV state (layers, d_model), updating it. Rows
     first_out..T-1 get logits (T - first_out, vocab); snaps, if given,
     receives the whole state after each token (T, layers, d_model).
@@ -379,7 +380,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, floa
     for c in prange(T * d_chunks, num_threads=ntP, schedule='static'):
         proj_in(m, w.emb + (c // d_chunks) * e, w.x + (c // d_chunks) * d, c % d_chunks)
     for l in range(L):
-        if cism_flag_get(cancel):
+        if cism_flag_check(cancel):
             return CANCELLED
         Ly = &m.layer[l]
         # k, v and receptance projections of all T tokens in one pass over their rows

@@ -15,7 +15,8 @@ from libc.string cimport memcpy, memset
 
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
+                           cism_flag_check, arm_cancel)
 from cism._nn cimport grow_f
 from cism.sampling cimport cism_knobs, rng_seed, argmax, choose_token, sampler_free, draft_tokens
 
@@ -105,6 +106,10 @@ cdef class SessionState:
         """Stop the session from any thread; it finishes with "cancelled"."""
         cism_flag_set(&self.cancelled, 1)
 
+    def _cancel_after(self, checks):
+        """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
+        arm_cancel(&self.cancelled, checks)
+
     @property
     def finish_reason(self):
         """"" while running, then "stop", "length" or "cancelled"."""
@@ -172,7 +177,7 @@ cdef class DecodeSession(SessionState):
         cdef int rc
         if self.s.prompt_len == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         # storage is allocated only once the caller holds a cancellable session
         rc = self.alloc()
@@ -273,7 +278,7 @@ cdef class DecodeSession(SessionState):
         # a finished session never runs its last token
         if self.s.finish != RUNNING:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         rc = self.run(&self.emitted[j], 1, NULL)
         if rc != OK:
@@ -288,13 +293,13 @@ cdef class DecodeSession(SessionState):
         produced[0] = 0
         if self.s.finish != RUNNING or wanted == 0:
             return OK
-        if cism_flag_get(&self.cancelled):
+        if cism_flag_check(&self.cancelled):
             return CANCELLED
         rc = self.run_prompt()
         if rc != OK:
             return rc
         while produced[0] < wanted:
-            if cism_flag_get(&self.cancelled):
+            if cism_flag_check(&self.cancelled):
                 return CANCELLED
             budget = wanted - produced[0]
             ncand = 0

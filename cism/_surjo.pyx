@@ -35,7 +35,8 @@ from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argma
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set)
+                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
+                           cism_flag_check)
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
@@ -639,7 +640,7 @@ cdef inline int team(int nt, size_t items, size_t work) noexcept nogil:
 
 cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, size_t T, size_t pos0,
                  const uint8_t *skip, const size_t *out_rows, size_t n_out, float *logits,
-                 const int *cancel) noexcept nogil:
+                 int *cancel) noexcept nogil:
     """Run T tokens at positions pos0.. through the plan (steps with skip[s]
     set are left out: the neural drafter); logits of the tokens listed in
     out_rows go to logits (n_out, vocab). Returns OK, CANCELLED, NOMEM or
@@ -671,7 +672,7 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
     for si in range(m.n_steps):
         if skip != NULL and skip[si]:
             continue
-        if cism_flag_get(cancel):
+        if cism_flag_check(cancel):
             return CANCELLED
         L = &m.layer[m.plan[si].layer]
         # mixer rmsnorm
@@ -774,7 +775,7 @@ cdef void state_free(State *st) noexcept nogil:
 
 
 cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, State *st, const int64_t *tokens, size_t T,
-                 float *rows, const uint8_t *skip, float *last, const int *cancel) noexcept nogil:
+                 float *rows, const uint8_t *skip, float *last, int *cancel) noexcept nogil:
     """Forward T tokens of the sequence at its position, in blocks. rows ==
     NULL: logits of the last token into last; else logits of every token into
     rows (T, vocab) and the last also into last."""

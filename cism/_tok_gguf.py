@@ -11,6 +11,7 @@ uint64 tensor_count, uint64 kv_count, then kv_count times
 (string key, uint32 value_type, value); a string is uint64 length + UTF-8 bytes;
 an array is uint32 element_type, uint64 count, elements.
 """
+import os
 import struct
 
 import numpy as np
@@ -34,6 +35,9 @@ _ARRAY = 9
 # A vocabulary has at most a few hundred thousand entries; a count far beyond
 # that means a corrupt file, and refusing it avoids a huge allocation.
 _MAX_COUNT = 1 << 28
+# Arrays of arrays deeper than this appear in no real file; without a bound a
+# file of nested array headers would exhaust Python's recursion limit.
+_MAX_ARRAY_DEPTH = 4
 
 
 class _Cursor:
@@ -46,6 +50,7 @@ class _Cursor:
         self.pos = 0   # position in buf
         self.base = 0  # file offset of buf[0]
         self.path = path
+        self.size = os.fstat(f.fileno()).st_size
 
     def fail(self, what):
         where = self.base + self.pos
@@ -53,6 +58,10 @@ class _Cursor:
 
     def take(self, n, what):
         end = self.pos + n
+        # Checked against the file before reading: f.read(n) allocates n bytes
+        # up front, so a length from a corrupt header must not reach it.
+        if self.base + end > self.size:
+            self.fail(f"truncated while reading {what}")
         if end > len(self.buf):
             more = self.f.read(max(end - len(self.buf), 1 << 22))
             self.buf = self.buf[self.pos:] + more
@@ -83,7 +92,7 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8")
 
-    def value(self, vtype, key):
+    def value(self, vtype, key, depth=0):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype][0], key)
         if vtype == _STRING:
@@ -98,7 +107,9 @@ class _Cursor:
             if etype == _STRING:
                 return [self.string(f"{key}[{i}]") for i in range(n)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY, f"{key}[{i}]") for i in range(n)]
+                if depth + 1 >= _MAX_ARRAY_DEPTH:
+                    self.fail(f"{key} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
+                return [self.value(_ARRAY, f"{key}[{i}]", depth + 1) for i in range(n)]
             self.fail(f"unknown element type {etype} in {key}")
         self.fail(f"unknown value type {vtype} for {key}")
 

@@ -307,7 +307,11 @@ class Tokenizer:
         if self._kind == "hf":
             with self._hf_lock:
                 self._hf.encode_special_tokens = not parse_special
-                ids.extend(self._hf.encode(text, add_special_tokens=False).ids)
+                try:
+                    ids.extend(self._hf.encode(text, add_special_tokens=False).ids)
+                except Exception as e:  # the Rust side raises a bare Exception
+                    # e.g. a character outside a vocabulary that has no unk token
+                    raise ValueError(f"{self._source}: cannot encode this text: {e}") from None
         elif self._kind == "llama2c":
             ids.extend(self._encoder.encode(text.encode("utf-8")))
         else:
@@ -443,8 +447,11 @@ class Tokenizer:
         if add_bos is None:
             # No explicit setting: BOS is added when the post-processor adds a
             # token in front (e.g. Llama's TemplateProcessing).
-            plain = hf.encode("a", add_special_tokens=False).ids
-            full = hf.encode("a", add_special_tokens=True).ids
+            try:
+                plain = hf.encode("a", add_special_tokens=False).ids
+                full = hf.encode("a", add_special_tokens=True).ids
+            except Exception:  # "a" is not in a vocabulary without an unk token
+                plain = full = []
             add_bos = len(full) > len(plain) and full[1:len(plain) + 1] == plain
             if add_bos and bos_id is None:
                 bos_id = full[0]

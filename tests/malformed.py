@@ -99,6 +99,12 @@ def safetensors_cases():
             text[:-1] + b', "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}', data)),
         ("duplicate-field", safetensors_bytes(
             b'{"a": {"dtype": "F32", "dtype": "F16", "shape": [2, 3], "data_offsets": [0, 24]}}', data)),
+        # zero elements, so the byte count is honest, but numpy cannot shape it (found by fuzzing)
+        ("zero-size-shape-too-large", safetensors_bytes(
+            dict(header, z={"dtype": "F32", "shape": [0, 1 << 62], "data_offsets": [40, 40]}), data)),
+        ("zero-size-shape-past-intp", safetensors_bytes(
+            dict(header, z={"dtype": "F16", "shape": [1 << 40, 0, 1 << 40], "data_offsets": [40, 40]}),
+            data)),
     ]
     return cases
 
@@ -316,6 +322,9 @@ def gguf_cases():
         ("unmappable-layer-name", with_tensors(GGUF_TENSORS + [("blk.x.attn_q.weight", (32,), 0)])),
         ("two-names-one-target", with_tensors(GGUF_TENSORS + [("blk.00.attn_norm.weight", (32,), 0)])),
         ("no-vocab-anywhere", with_tensors(GGUF_TENSORS[1:])),
+        ("zero-dim-past-intp", with_tensors(replace_tensor("output_norm.weight", ne=(0, 1 << 63)))),
+        ("zero-dim-too-large", with_tensors(replace_tensor("output_norm.weight",
+                                                           ne=(0, 1 << 40, 1 << 40)))),
     ]
     return cases
 

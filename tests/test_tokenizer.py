@@ -1009,3 +1009,61 @@ def test_gguf_special_token_kinds(tmp_path):
     assert tok.decode([2, 5, 0, 4], skip_special=True) == "aba<u>"
     assert tok.decode([2, 5, 0, 4]) == "ab<c><u>a<u>"
     assert tok.eos_ids == (3,)
+
+
+def test_gguf_lengths_are_checked_before_reading(tmp_path):
+    """A count or length from the header is checked against the file before
+    the read: f.read(n) allocates n bytes up front, so a 100-byte file that
+    claims a 256 MB array must fail without allocating it (under the fuzz
+    harness's address-space cap this was a MemoryError)."""
+    import tracemalloc
+
+    def gstr(s):
+        return struct.pack("<Q", len(s)) + s
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    model = gstr(b"tokenizer.ggml.model") + struct.pack("<I", 8) + gstr(b"llama")
+    p = tmp_path / "lies.gguf"
+    for lie in (gstr(b"tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 10, 1 << 25),  # u64 array
+                gstr(b"tokenizer.ggml.tokens") + struct.pack("<IQ", 8, 1 << 27)):       # one string
+        p.write_bytes(head + model + lie + b"\0" * 16)
+        tracemalloc.start()
+        try:
+            _raises_naming(p, lambda: Tokenizer.from_gguf(p), "truncated")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
+
+
+def test_tokenizer_json_without_unk_token(tmp_path, small_tokenizer_json):
+    """A model that cannot encode "a" (no unk token): loading must not trip on
+    the BOS probe, and encoding unknown text is a ValueError naming the file
+    (HF raises a bare Exception). Found by tests/fuzz/fuzz_tok_json.py."""
+    pytest.importorskip("tokenizers")
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"b": 0}, "unk_token": "?"}}))
+    tok = Tokenizer.from_file(p)
+    assert not tok.add_bos and tok.encode("b") == [0]
+    _raises_naming(p, lambda: tok.encode("a"), "cannot encode")
+    p.write_text('{"model": {"yp": "", "vocab": []}}')   # the fuzzer's input
+    tok = Tokenizer.from_file(p)
+    _raises_naming(p, lambda: tok.encode("a"), "cannot encode")
+
+
+def test_gguf_deeply_nested_arrays(tmp_path):
+    """3000 nested array headers: a ValueError naming the file, not Python's
+    RecursionError; four levels (what the checkpoint loader accepts) still read."""
+    def gstr(s):
+        return struct.pack("<Q", len(s)) + s
+
+    def nested(levels):
+        return (b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + gstr(b"x") + struct.pack("<I", 9)
+                + struct.pack("<IQ", 9, 1) * (levels - 1) + struct.pack("<IQ", 4, 0)
+                + gstr(b"tokenizer.ggml.model") + struct.pack("<I", 8) + gstr(b"bert"))
+
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(nested(3000))
+    _raises_naming(p, lambda: Tokenizer.from_gguf(p), "nests arrays")
+    p.write_bytes(nested(4))
+    _raises_naming(p, lambda: Tokenizer.from_gguf(p), "no tokenizer.ggml.tokens")   # read past it

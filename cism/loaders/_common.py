@@ -126,6 +126,22 @@ def file_in_dir(directory, name, what):
     return shown
 
 
+# numpy refuses arrays whose shape, zero dimensions counted as one, spans more
+# bytes than an intp can hold; a zero-element tensor can still claim such a
+# shape in a file, and would then fail inside numpy without naming the file.
+MAX_SHAPE_BYTES = 1 << 62
+
+
+def check_addressable(path, shape, itemsize, tensor):
+    """CheckpointError unless an array of ``shape`` (float32 after loading,
+    ``itemsize`` bytes per element) could exist, even with zero elements."""
+    span = itemsize
+    for d in shape:
+        span *= max(int(d), 1)
+    if span > MAX_SHAPE_BYTES:
+        raise CheckpointError(path, f"shape {list(shape)} is too large to address", tensor)
+
+
 def rotary_interleaved_to_halves(w, n_heads):
     """Reorder the rows of a q or k projection from the interleaved-pair rotary
     convention (Meta/llama2.c/ggml: pairs (2i, 2i+1) rotate together) to HF's

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ggml_types
-from ._common import (Checkpoint, CheckpointError, file_size, open_file, read_into,
-                      rotary_interleaved_to_halves)
+from ._common import (Checkpoint, CheckpointError, check_addressable, file_size, open_file,
+                      read_into, rotary_interleaved_to_halves)
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -253,6 +253,7 @@ def _tensor_info(path, size, data_start, alignment, name, dims, type_id, offset)
     if start + nbytes > size:
         raise CheckpointError(path, f"data [{start}, {start + nbytes}) runs past the end of "
                               f"the {size}-byte file", name)
+    check_addressable(path, dims, 4, name)    # only a zero-element shape can still fail
     return TensorInfo(name, tuple(reversed(dims)), type_id, start, nbytes)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import CheckpointError, file_size, open_file, read_into
+from ._common import CheckpointError, check_addressable, file_size, open_file, read_into
 
 # A header is a few hundred bytes per tensor; the reference implementation
 # refuses anything over 100 MB, and so do we.
@@ -127,6 +127,7 @@ def _entry(path, name, info, data_start, data_size):
     if nbytes != end - begin:
         raise CheckpointError(path, f"shape {shape} in {dtype} needs {nbytes} bytes but "
                               f"data_offsets span {end - begin}", name)
+    check_addressable(path, shape, 4, name)   # only a zero-element shape can still fail
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
