@@ -16,6 +16,9 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from cism import _kernels  # noqa: E402  (after the OpenMP setting: libgomp reads it on load)
+from cism._threads import default_threads as _default_threads  # noqa: E402
+
+_kernels.start_threads(_default_threads())   # see start_threads: libgomp exits if it cannot
 from cism.paging import OutOfBlocks  # noqa: F401
 from cism.tokenizer import Tokenizer  # noqa: F401
 

@@ -12,10 +12,13 @@ from libc.stdint cimport int8_t, int16_t
 cnp.import_array()
 
 from cython.parallel cimport prange
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint8_t, uint64_t
 
 cdef extern from "memscan.h" nogil:
     uint64_t cism_scan_streams(const void *p, size_t n, size_t streams)
+
+cdef extern from "ggml.h" nogil:
+    int cism_ggml_decode(int type, const uint8_t *raw, size_t count, float *out)
 
 cdef extern from "omp_shim.h" nogil:
     int cism_omp_available()
@@ -198,3 +201,37 @@ def read_bandwidth(nbytes=1 << 31, threads=None, repeats=5, streams=8):
     if sink == 1:  # keep the reads
         print("", end="")
     return best
+
+
+def ggml_decode(int type_id, const uint8_t[::1] raw, float[::1] out):
+    """Decode whole ggml blocks of type_id from raw into out (len(out)
+    elements), with the GIL released. The loader checks the sizes; this
+    checks them again because it writes through raw pointers."""
+    from cism.loaders.ggml_types import GGML_TYPES
+    _, block, block_bytes = GGML_TYPES[type_id]
+    cdef size_t count = out.shape[0]
+    if count % block or raw.shape[0] != count // block * block_bytes:
+        raise ValueError(f"ggml_decode: {raw.shape[0]} bytes do not hold {count} elements")
+    cdef int rc = 0
+    if count:
+        with nogil:
+            rc = cism_ggml_decode(type_id, &raw[0], count, &out[0])
+    if rc:
+        raise ValueError(f"ggml_decode: type {type_id} is not decoded here")
+
+
+def start_threads(int threads):
+    """Run one empty parallel region of ``threads`` threads, so that the
+    OpenMP team of the calling thread exists before any model needs it.
+    libgomp ends the whole process when it cannot create a thread (say, the
+    address space is exhausted); creating the team at import, while memory
+    is plentiful, keeps that failure from happening later in the middle of a
+    forward. (A team is per calling thread: a new Python thread that runs a
+    model creates its own on first use.)"""
+    cdef int t
+    cdef uint64_t sink = 0
+    if threads < 1:
+        return
+    with nogil:
+        for t in prange(threads, num_threads=threads, schedule='static'):
+            sink += <uint64_t>t

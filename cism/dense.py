@@ -151,11 +151,5 @@ class Model(GenerationMixin, DenseModel):
     def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32"):
         """Load an HF directory (config.json + safetensors), a GGUF file or a
         llama2.c .bin checkpoint."""
-        from cism.loaders import load_checkpoint
-        ckpt = load_checkpoint(path)
-        config = Config.from_hf(ckpt.config)
-        model = cls(config, ckpt.weights, precision=precision, threads=threads,
-                    act_precision=act_precision)
-        model.source = ckpt
-        ckpt.weights = None  # the packed matrices hold everything now
-        return model
+        from cism.loaders import build_pretrained
+        return build_pretrained(cls, path, precision, threads, act_precision)

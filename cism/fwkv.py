@@ -133,11 +133,5 @@ class Model(GenerationMixin, FwkvModel):
     def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32"):
         """Load an FWKV directory: config.json plus safetensors (one file or
         sharded with model.safetensors.index.json; fp32/fp16/bf16 tensors)."""
-        from cism.loaders import load_checkpoint
-        ckpt = load_checkpoint(path)
-        config = Config.from_hf(ckpt.config)
-        model = cls(config, ckpt.weights, precision=precision, threads=threads,
-                    act_precision=act_precision)
-        model.source = ckpt
-        ckpt.weights = None  # the packed matrices hold everything now
-        return model
+        from cism.loaders import build_pretrained
+        return build_pretrained(cls, path, precision, threads, act_precision)

@@ -315,11 +315,5 @@ class Model(GenerationMixin, SurjoModel):
     def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32"):
         """Load a Hugging Face-style directory: config.json and safetensors weights
         (one file or shards with model.safetensors.index.json; bf16/fp16/fp32)."""
-        from cism.loaders import load_checkpoint
-        ckpt = load_checkpoint(path)
-        config = Config.from_hf(ckpt.config)
-        model = cls(config, ckpt.weights, precision=precision, threads=threads,
-                    act_precision=act_precision)
-        model.source = ckpt
-        ckpt.weights = None  # the packed matrices hold everything now
-        return model
+        from cism.loaders import build_pretrained
+        return build_pretrained(cls, path, precision, threads, act_precision)

@@ -9,7 +9,7 @@ the config is the model classes' check, with the spec's messages.
 """
 import os
 
-from ._common import Checkpoint, CheckpointError
+from ._common import Checkpoint, CheckpointError, memory_for
 from .gguf_file import GGUF_MAGIC, load_gguf, read_gguf_metadata
 from .hf_dir import load_hf_dir
 from .llama2c import load_llama2c
@@ -44,19 +44,35 @@ def load_checkpoint(path):
     llama2.c .bin whose header matches its size exactly."""
     path = os.fspath(path)
     kind = _kind(path)
-    if kind == "hf":
-        return load_hf_dir(path)
-    if kind == "gguf":
-        return load_gguf(path)
-    return load_llama2c(path)
+    with memory_for(path, "loading the checkpoint"):
+        if kind == "hf":
+            return load_hf_dir(path)
+        if kind == "gguf":
+            return load_gguf(path)
+        return load_llama2c(path)
+
+
+def build_pretrained(model_class, path, precision, threads, act_precision):
+    """Load a checkpoint and build a model_class from it (every family's
+    Model.from_pretrained): the checkpoint's float32 arrays are released once
+    the packed matrices hold the weights."""
+    ckpt = load_checkpoint(path)
+    config = model_class.config_class.from_hf(ckpt.config)
+    with memory_for(os.fspath(path), f"packing the weights at {precision}"):
+        model = model_class(config, ckpt.weights, precision=precision, threads=threads,
+                            act_precision=act_precision)
+    model.source = ckpt
+    ckpt.weights = None  # the packed matrices hold everything now
+    return model
 
 
 def read_config(path):
     """Just the HF-style config of any supported checkpoint, without reading weights."""
     path = os.fspath(path)
     kind = _kind(path)
-    if kind == "hf":
-        return hf_dir.read_config(path)
-    if kind == "gguf":
-        return gguf_file.read_config(path)
-    return llama2c.read_config(path)
+    with memory_for(path, "reading its config"):
+        if kind == "hf":
+            return hf_dir.read_config(path)
+        if kind == "gguf":
+            return gguf_file.read_config(path)
+        return llama2c.read_config(path)

@@ -1,6 +1,7 @@
 """What every loader shares: the error type, the result type, bounded reads and
 the rule for which files inside a model directory may be opened."""
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,19 @@ class Checkpoint:
     path: str               # the directory or file that was loaded
     format: str             # "hf" | "gguf" | "llama2c"
     tokenizer: dict | None  # {"kind": "hf_dir"|"gguf"|"llama2c", "path": ...} or None
+
+
+@contextmanager
+def memory_for(path, doing):
+    """Turn the OS refusing memory inside the block into a MemoryError that
+    names the file and what was being done ("loading tensor 'x' (n bytes)");
+    an inner, already-named MemoryError passes through unchanged."""
+    try:
+        yield
+    except MemoryError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise MemoryError(f"{path}: out of memory while {doing}") from None
 
 
 def file_size(path):

@@ -38,6 +38,13 @@ def _scale(blocks, at):
     return blocks[:, at:at + 2].view("<f2").astype(np.float32)
 
 
+# The numpy decoders below are the reference. The loader decodes with the C
+# version (csrc/ggml.h, equal bit for bit, tests/test_loaders.py): numpy's
+# ufuncs allocate their iterator buffers with the GIL released, and when the
+# OS refuses that allocation numpy 2.4 raises MemoryError without a thread
+# state and the process dies with SIGSEGV (found by tests/test_memory.py).
+
+
 def _dequant_q8_0(raw, out):
     blocks = raw.reshape(-1, 34)
     np.multiply(blocks[:, 2:].view(np.int8), _scale(blocks, 0), out=out.reshape(-1, 32))
@@ -93,6 +100,14 @@ _STEP_ELEMENTS = 1 << 17
 def dequantize_into(type_id, raw, out):
     """Decode whole blocks: ``raw`` is a uint8 array of n blocks, ``out`` a
     contiguous float32 array of the n * block elements they hold."""
+    if type_id not in DEQUANTIZERS:
+        raise KeyError(type_id)
+    from cism import _kernels
+    _kernels.ggml_decode(type_id, raw, out)
+
+
+def dequantize_into_reference(type_id, raw, out):
+    """dequantize_into with the numpy reference decoders."""
     _, block, block_bytes = GGML_TYPES[type_id]
     decode = DEQUANTIZERS[type_id]
     step = _STEP_ELEMENTS // block

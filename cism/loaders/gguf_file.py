@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ggml_types
-from ._common import (Checkpoint, CheckpointError, check_addressable, file_size, open_file,
-                      read_into, rotary_interleaved_to_halves)
+from ._common import (Checkpoint, CheckpointError, check_addressable, file_size, memory_for,
+                      open_file, read_into, rotary_interleaved_to_halves)
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -455,13 +455,15 @@ def load_gguf(path, threads=None):
     with open_file(path) as f, ThreadPoolExecutor(threads) as pool:
         # Read in file order (sequential I/O) while the pool decodes what was read.
         for info, target in sorted(plan, key=lambda p: p[0].offset):
-            raw = np.empty(info.nbytes, np.uint8)
+            with memory_for(path, f"loading tensor {info.name!r} ({info.nbytes} bytes)"):
+                raw = np.empty(info.nbytes, np.uint8)
             read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
             size = math.prod(info.shape)
             if target in heads_of or size <= _CHUNK_ELEMENTS:
                 whole.append((target, pool.submit(_decode, info, raw, heads_of.get(target))))
                 continue
-            out = np.empty(info.shape, np.float32)
+            with memory_for(path, f"loading tensor {info.name!r} ({4 * size} bytes as float32)"):
+                out = np.empty(info.shape, np.float32)
             weights[target] = out
             rows = info.shape[0] if len(info.shape) > 1 else 1
             per_row, row_bytes = size // rows, info.nbytes // rows   # rows hold whole blocks

