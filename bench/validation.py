@@ -34,20 +34,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/cism-validation")
     ap.add_argument("--reuse", action="store_true", help="keep results already in --out")
-    ap.add_argument("--lf", action="store_true",
-                    help="score the text with CRLF line ends turned into LF (the shared copy "
-                         "has CRLF; the table in docs/VALIDATION.md scores it as it is)")
     args = ap.parse_args(argv)
     data = shared_data()
     if data is None:
         sys.exit("shared data not found (set CISM_DATA)")
     raw = os.path.join(data, "corpora", "wikitext-2-test.raw.txt")
     os.makedirs(args.out, exist_ok=True)
-    text = raw
-    if args.lf:
-        text = os.path.join(args.out, "wikitext-2-test.raw.lf.txt")
-        with open(raw, "rb") as f, open(text, "wb") as g:
-            g.write(f.read().replace(b"\r\n", b"\n"))
+    text = os.path.join(args.out, "wikitext-2-test.raw.lf.txt")  # CRLF normalised
+    with open(raw, "rb") as f, open(text, "wb") as g:
+        g.write(f.read().replace(b"\r\n", b"\n"))
     base = os.path.join(args.out, "fp32.npy")
     rows = []
     for precision in PRECISIONS:
@@ -74,7 +69,7 @@ def main(argv=None):
     print(f"{rows[0][2]['tokens_scored']} scored tokens ({rows[0][2]['chunks']} windows of {args.ctx}).")
     print("Commands:")
     for precision, act, r, cmd in rows:
-        print("    " + " ".join(cmd).replace(text, os.path.basename(text)).replace(args.out + "/", ""))
+        print("    " + " ".join(cmd).replace(text, "wikitext-2-test.raw.txt").replace(args.out + "/", ""))
 
 
 if __name__ == "__main__":
