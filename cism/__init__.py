@@ -34,13 +34,15 @@ def load(path, **kwargs):
     Model.from_pretrained."""
     import importlib
 
-    from cism.loaders import read_config
-    config = read_config(path)
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[model_type]).Model.from_pretrained(path, **kwargs)
+    from cism.loaders import memory_for, read_config
+    with memory_for(path, "loading the checkpoint"):
+        config = read_config(path)
+        model_type = config.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"{path}: model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(sorted(FAMILIES))})")
+        family = importlib.import_module(FAMILIES[model_type])
+        return family.Model.from_pretrained(path, **kwargs)
 
 
 def show_runtime(file=None):

@@ -9,7 +9,7 @@ import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange
 from libc.math cimport cosf, isfinite, powf, sinf
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from posix.mman cimport mlock, munlock
 
@@ -68,9 +68,24 @@ def weight_array(value, name, shape):
         raise ValueError(f"missing or incorrectly sized weight: {name} "
                          f"(expected shape {tuple(shape)}, got {tuple(value.shape)})")
     a = np.ascontiguousarray(value, dtype=np.float32)
-    if not np.isfinite(a).all():
+    if not all_finite(a):
         raise ValueError(f"non-finite weight: {name}")
     return a
+
+
+def all_finite(a):
+    """Whether a C-contiguous float32 array holds no inf or nan: one pass over
+    its bits with the GIL released and nothing allocated (np.isfinite(a).all()
+    would build a boolean copy of the whole tensor first)."""
+    cdef const uint32_t[::1] bits = a.reshape(-1).view(np.uint32)
+    cdef size_t n = bits.shape[0], i
+    cdef uint32_t bad = 0
+    if n == 0:
+        return True
+    with nogil:
+        for i in range(n):   # the exponent all ones: inf or nan
+            bad |= (bits[i] & 0x7f800000u) == 0x7f800000u
+    return bad == 0
 
 
 def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768):

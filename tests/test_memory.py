@@ -97,4 +97,6 @@ def test_out_of_memory_with_a_llama2c_checkpoint(data_dir):
         assert out["same_after"]
         loads.append(out["load"])
     assert f"{path}: out of memory while loading the weights (1056512 bytes)" in loads, loads
-    assert set(loads) <= {"ok", f"{path}: out of memory while loading the weights (1056512 bytes)"}
+    # With the least headroom a smaller allocation may fail first (opening the
+    # file allocates a buffer of the filesystem's block size): named all the same.
+    assert all(l == "ok" or l.startswith(f"{path}: out of memory while ") for l in loads), loads

@@ -43,8 +43,8 @@ def load_checkpoint(path):
     starting with "GGUF" (or named *.gguf) is GGUF, anything else must be a
     llama2.c .bin whose header matches its size exactly."""
     path = os.fspath(path)
-    kind = _kind(path)
     with memory_for(path, "loading the checkpoint"):
+        kind = _kind(path)
         if kind == "hf":
             return load_hf_dir(path)
         if kind == "gguf":
@@ -56,21 +56,23 @@ def build_pretrained(model_class, path, precision, threads, act_precision):
     """Load a checkpoint and build a model_class from it (every family's
     Model.from_pretrained): the checkpoint's float32 arrays are released once
     the packed matrices hold the weights."""
-    ckpt = load_checkpoint(path)
-    config = model_class.config_class.from_hf(ckpt.config)
-    with memory_for(os.fspath(path), f"packing the weights at {precision}"):
-        model = model_class(config, ckpt.weights, precision=precision, threads=threads,
-                            act_precision=act_precision)
-    model.source = ckpt
-    ckpt.weights = None  # the packed matrices hold everything now
+    path = os.fspath(path)
+    with memory_for(path, "loading the checkpoint"):   # the steps between the named ones
+        ckpt = load_checkpoint(path)
+        config = model_class.config_class.from_hf(ckpt.config)
+        with memory_for(path, f"packing the weights at {precision}"):
+            model = model_class(config, ckpt.weights, precision=precision, threads=threads,
+                                act_precision=act_precision)
+        model.source = ckpt
+        ckpt.weights = None  # the packed matrices hold everything now
     return model
 
 
 def read_config(path):
     """Just the HF-style config of any supported checkpoint, without reading weights."""
     path = os.fspath(path)
-    kind = _kind(path)
     with memory_for(path, "reading its config"):
+        kind = _kind(path)
         if kind == "hf":
             return hf_dir.read_config(path)
         if kind == "gguf":

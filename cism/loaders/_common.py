@@ -1,7 +1,6 @@
 """What every loader shares: the error type, the result type, bounded reads and
 the rule for which files inside a model directory may be opened."""
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,17 +34,37 @@ class Checkpoint:
     tokenizer: dict | None  # {"kind": "hf_dir"|"gguf"|"llama2c", "path": ...} or None
 
 
-@contextmanager
-def memory_for(path, doing):
-    """Turn the OS refusing memory inside the block into a MemoryError that
-    names the file and what was being done ("loading tensor 'x' (n bytes)");
-    an inner, already-named MemoryError passes through unchanged."""
-    try:
-        yield
-    except MemoryError as e:
-        if str(e).startswith(str(path)):
-            raise
-        raise MemoryError(f"{path}: out of memory while {doing}") from None
+class memory_for:
+    """Context manager turning the OS refusing memory inside the block into a
+    MemoryError that names the file and what was being done ("loading tensor
+    'x' (n bytes)"); an inner, already-named MemoryError passes through.
+
+    The message is built on entry, while memory is still there, so naming the
+    failure needs no more than the exception object itself. Python reports
+    some failed allocations as RuntimeError ("can't allocate lock" when a file
+    object or a lock cannot get its mutex): those are out of memory too."""
+
+    __slots__ = ("path", "doing", "message")
+
+    def __init__(self, path, doing):
+        self.path, self.doing = str(path), doing
+        try:
+            self.message = f"{path}: out of memory while {doing}"
+        except MemoryError:   # built on the way out instead
+            self.message = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is None:
+            return False
+        if issubclass(kind, MemoryError):
+            if str(error).startswith(self.path + ": "):
+                return False
+        elif not (issubclass(kind, RuntimeError) and str(error).startswith("can't allocate")):
+            return False
+        raise MemoryError(self.message or f"{self.path}: out of memory while {self.doing}") from None
 
 
 def file_size(path):
