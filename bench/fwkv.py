@@ -1,6 +1,7 @@
 """FWKV decode and prefill tokens/s per precision and thread count, with
-weight bytes, the read bandwidth measured in the same run and the roofline
-ratio (decode tok/s / (bandwidth / bytes per token)).
+weight bytes, the bandwidth at which the model's threads read its own weights
+(Model.scan) in the same run and the roofline ratio (decode tok/s / (scan
+bandwidth / bytes per token)); the machine's 2 GiB read is printed alongside.
 
     python bench/fwkv.py [--model DIR] [--json]
 
@@ -19,7 +20,7 @@ import os
 import sys
 
 from cism import _kernels
-from cism.bench import measure, random_fwkv, read_bandwidth
+from cism.bench import format_table, measure, random_fwkv, read_bandwidth
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 SHAPE = "myosotis-1-base"
@@ -63,13 +64,7 @@ def main(argv=None):
           + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items())
           + f"; load average {load_before[0]:.1f} -> {report['load_average']['after'][0]:.1f}"
           + f" on {report['cpus']} CPUs)")
-    print(f"{'precision':12} {'act':5} {'thr':>3} {'MB/token':>9} {'decode':>8} {'roofline':>9} "
-          f"{'ratio':>6} {'prefill':>8}")
-    for r in rows:
-        print(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} {r['weight_bytes'] / 1e6:9.1f} "
-              f"{r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} {100 * r['roofline_ratio']:5.0f}% "
-              f"{r['prefill_tok_s']:8.1f}")
-
+    print(format_table(rows))
 
 if __name__ == "__main__":
     main()

