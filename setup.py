@@ -109,9 +109,9 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
-def extension(name, sources):
+def extension(name, sources, extra_cflags=()):
     compile_args = ["-ffp-contract=off", "-fno-math-errno", "-Wno-unused-function",
-                    "-Wno-unreachable-code"] + OPT_CFLAGS + SAN_FLAGS + (OPENMP or [])
+                    "-Wno-unreachable-code"] + OPT_CFLAGS + SAN_FLAGS + (OPENMP or []) + list(extra_cflags)
     link_args = SAN_FLAGS + (OPENMP or []) + ["-lm"]
     return Extension(
         name, sources, include_dirs=["csrc", numpy.get_include()],
@@ -122,7 +122,10 @@ def extension(name, sources):
 
 EXTENSIONS = [
     extension("cism._kernels", ["cism/_kernels.pyx"]),
-    extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"]),
+    # -fno-trapping-math lets the packing loops (csrc/pack.c) turn their float
+    # compares into vector selects; values are unchanged, only FP exception
+    # flags (which nothing reads) may differ.
+    extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"], ["-fno-trapping-math"]),
     extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
     extension("cism._common", ["cism/_common.pyx"]),
     extension("cism._weights", ["cism/_weights.pyx"]),

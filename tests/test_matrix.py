@@ -148,6 +148,33 @@ def test_packing_matches_numpy_rules(shape):
     assert np.array_equal(m.codes, codes) and np.array_equal(m.scales, scales)
 
 
+def test_int8_rounds_every_half_away_from_zero():
+    """Absmax 127 makes the scale exactly 1, so each k + 0.5 is a tie: all of
+    them round away from zero (the packer rounds without libm, see pack.c)."""
+    halves = np.arange(-127, 127, dtype=np.float32) + np.float32(0.5)
+    W = np.stack([np.concatenate([halves, [127, -0.0]]),
+                  np.concatenate([-halves, [-127, 0.0]]),
+                  np.concatenate([np.nextafter(halves, 0), [127, 1e-45]])]).astype(np.float32)
+    q, s = np_int8(W)
+    m = Matrix(W, "int8")
+    assert np.array_equal(m.scales, [1, 1, 1])
+    assert np.array_equal(m.codes, q)
+    assert m.codes[0, 0] == -127 and m.codes[0, 1] == -126 and m.codes[0, 253] == 127
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
+       st.integers(0, 3))
+def test_int8_packing_matches_the_rule_for_any_floats(values, rows):
+    """Subnormal, huge and mixed magnitudes: codes and scales equal the
+    numpy statement of the rule."""
+    W = np.array([values] * (rows + 1), np.float32)
+    W[1:] *= np.float32(-0.75)
+    q, s = np_int8(W)
+    m = Matrix(W, "int8")
+    assert np.array_equal(m.codes, q) and np.array_equal(m.scales, s)
+
+
 def test_int4_signed_max_maps_exactly():
     W = rng(1).standard_normal((4, 64)).astype(np.float32)
     deq = Matrix(W, "int4").dequantize()
