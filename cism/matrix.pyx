@@ -100,7 +100,8 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     cdef size_t qblocks = qlen // 32
     cdef bint need16 = False, need8 = False
     cdef int i, m
-    cdef size_t t, c, total = 0, work = 0, first, r0, r1
+    cdef size_t t, c, total = 0, work = 0, first, r0, r1, c0, c1, lo, hi
+    cdef int th
     cdef size_t starts[9]
     cdef cism_act a32, a16, a8
     cdef cism_gemm_fn fn
@@ -150,7 +151,25 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         a8.qscale = s.qs8
         a8.ldq = qlen
         a8.ldqs = qblocks
-    if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
+    if T == 1 and threads > 1 and total > 1 and work >= PARALLEL_MIN_WORK:
+        # Decode: each thread takes one contiguous share of the chunks and
+        # hands each matrix's part of it to the kernel in one call, so the
+        # kernel can spread its row streams over the whole share (streams
+        # far apart are what reach the memory bandwidth; see gemm_avx512.c).
+        for th in prange(threads, schedule='static', num_threads=threads):
+            c0 = total * th // threads
+            c1 = total * (th + 1) // threads
+            for m in range(count):
+                lo = c0 if c0 > starts[m] else starts[m]
+                hi = c1 if c1 < starts[m + 1] else starts[m + 1]
+                if lo < hi:
+                    r0 = (lo - starts[m]) * CHUNK
+                    r1 = (hi - starts[m]) * CHUNK
+                    if r1 > W[m].rows:
+                        r1 = W[m].rows
+                    fn = pick_kernel(k, W[m], act_q8)
+                    fn(W[m], r0, r1, pick_act(W[m], act_q8, &a32, &a16, &a8), T, Y[m], ldy[m])
+    elif threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
         for c in prange(total, schedule='static', num_threads=threads):
             m = 0
             while c >= starts[m + 1]:

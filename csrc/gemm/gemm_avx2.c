@@ -18,7 +18,8 @@
  *
  * Tiling (16 ymm registers; an R rows x TT tokens tile holds 2*R*TT
  * accumulators). Decode (T = 1) runs R independent weight streams: 6 rows for
- * fp32/fp16/int8 weights, 4 where the dequantization needs more registers.
+ * fp32/fp16/int8 weights, 4 where the dequantization needs more registers,
+ * spread over the caller's rows (j, j + L, ...) as in gemm_avx512.c.
  * Multi-token calls run 3x2 tiles (fp32/fp16/int8 weights: each activation
  * vector feeds 3 rows) or 2x3 tiles (4-bit weights: each dequantized vector
  * feeds 3 tokens) over chunks of TOKEN_CHUNK tokens that stay in L2; measured
@@ -141,13 +142,13 @@ ALWAYS_INLINE void deq32(const int S, const uint8_t *p, size_t so, size_t u, __m
 }
 
 /* An R x TT tile of dots: rows r.., tokens of X (row stride ldx). */
-ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r,
+ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                             const float *X, size_t ldx, float *Y, size_t ldy) {
     const size_t n = W->cols, so = W->scale_offset;
     const uint8_t *p[MAX_R];
     __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
     for (int i = 0; i < R; i++) {
-        p[i] = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
+        p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
     if (S == CISM_INT4 || S == CISM_FP4) {
@@ -217,10 +218,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         }
     }
     for (int i = 0; i < R; i++) {
-        const float rs = S == CISM_INT8 ? W->scales[r + i] : 1.0f;
+        const float scale = S == CISM_INT8 ? W->scales[r + i * rs] : 1.0f;
         for (int j = 0; j < TT; j++) {
             const float d = hsum2(lo[i][j], hi[i][j]);
-            Y[j * ldy + r + i] = S == CISM_INT8 ? d * rs : d;
+            Y[j * ldy + r + i * rs] = S == CISM_INT8 ? d * scale : d;
         }
     }
 }
@@ -228,30 +229,23 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
 ALWAYS_INLINE void rows_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r,
                             const float *X, size_t ldx, size_t T, float *Y, size_t ldy) {
     size_t t = 0;
-    for (; t + TT <= T; t += TT) tile_f32(S, R, TT, W, r, X + t * ldx, ldx, Y + t * ldy, ldy);
+    for (; t + TT <= T; t += TT) tile_f32(S, R, TT, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
     if (TT > 2 && t + 2 <= T) {
-        tile_f32(S, R, 2, W, r, X + t * ldx, ldx, Y + t * ldy, ldy);
+        tile_f32(S, R, 2, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
         t += 2;
     }
-    if (t < T) tile_f32(S, R, 1, W, r, X + t * ldx, ldx, Y + t * ldy, ldy);
+    if (t < T) tile_f32(S, R, 1, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
 }
 
 ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_t r1,
                                 const cism_act *A, size_t T, float *Y, size_t ldy) {
     const int nib = S == CISM_INT4 || S == CISM_FP4;
     if (T == 1) {
+        /* R streams spread over the rows (see gemm_avx512.c) */
         const int R = nib ? DECODE_ROWS_NIB : DECODE_ROWS;
-        size_t r = r0;
-        for (; r + R <= r1; r += R) tile_f32(S, R, 1, W, r, A->x, A->ldx, Y, ldy);
-        if (R > 4 && r + 4 <= r1) {
-            tile_f32(S, 4, 1, W, r, A->x, A->ldx, Y, ldy);
-            r += 4;
-        }
-        if (R > 2 && r + 2 <= r1) {
-            tile_f32(S, 2, 1, W, r, A->x, A->ldx, Y, ldy);
-            r += 2;
-        }
-        if (r < r1) tile_f32(S, 1, 1, W, r, A->x, A->ldx, Y, ldy);
+        const size_t L = (r1 - r0) / R;
+        for (size_t j = 0; j < L; j++) tile_f32(S, R, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
+        for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
         return;
     }
     /* 4-bit weights: more tokens per dequantized vector; others: more rows per x */
@@ -290,13 +284,13 @@ ALWAYS_INLINE __m256 dot4_i8(__m256i a_abs, __m256i a, __m256i w) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_t r,
+ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                              const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t units = cism_div_up(W->cols, 64);
     const uint8_t *rows[MAX_R];
     __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
     for (int i = 0; i < R; i++) {
-        rows[i] = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
+        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
     for (size_t u = 0; u < units; u++) {
@@ -319,7 +313,7 @@ ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum2(lo[i][j], hi[i][j]) * W->scales[r + i];
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]) * W->scales[r + i * rs];
 }
 
 /* int4 x q16, one 32-element block: lo = elements 0-15 (pairs -> lanes 0-7),
@@ -331,13 +325,13 @@ ALWAYS_INLINE void int4_block_i16(const uint8_t *codes, __m256i *lo, __m256i *hi
     *hi = _mm256_sub_epi16(_mm256_srli_epi16(b, 4), eight);
 }
 
-ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size_t r,
+ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                               const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t blocks = cism_div_up(W->cols, 32), so = W->scale_offset;
     const uint8_t *p[MAX_R];
     __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
     for (int i = 0; i < R; i++) {
-        p[i] = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
+        p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
     for (size_t b = 0; b < blocks; b++) {
@@ -361,7 +355,7 @@ ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum2(lo[i][j], hi[i][j]);
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]);
 }
 
 /* fp4 x q16, 32 elements = fp4 blocks 2u (lo: elements 0-15, lanes 0-7) and
@@ -373,13 +367,13 @@ ALWAYS_INLINE void fp4_unit_i16(const uint8_t *codes, __m256i *lo, __m256i *hi) 
     *hi = _mm256_cvtepi8_epi16(v1);
 }
 
-ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size_t r,
+ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                               const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t units = cism_div_up(W->cols, 32), so = W->scale_offset;
     const uint8_t *p[MAX_R];
     __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
     for (int i = 0; i < R; i++) {
-        p[i] = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
+        p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
     for (size_t u = 0; u < units; u++) {
@@ -409,37 +403,33 @@ ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i] = hsum2(lo[i][j], hi[i][j]);
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]);
 }
 
-ALWAYS_INLINE void tile_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r,
+ALWAYS_INLINE void tile_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                           const cism_act *A, size_t t, float *Y, size_t ldy) {
-    if (kind == Q_INT8) tile_i8q8(R, TT, W, r, A, t, Y, ldy);
-    else if (kind == Q_INT4) tile_i4q16(R, TT, W, r, A, t, Y, ldy);
-    else tile_f4q16(R, TT, W, r, A, t, Y, ldy);
+    if (kind == Q_INT8) tile_i8q8(R, TT, W, r, rs, A, t, Y, ldy);
+    else if (kind == Q_INT4) tile_i4q16(R, TT, W, r, rs, A, t, Y, ldy);
+    else tile_f4q16(R, TT, W, r, rs, A, t, Y, ldy);
 }
 
 ALWAYS_INLINE void rows_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r,
                           const cism_act *A, size_t t0, size_t t1, float *Y, size_t ldy) {
     size_t t = t0;
-    for (; t + TT <= t1; t += TT) tile_q(kind, R, TT, W, r, A, t, Y, ldy);
+    for (; t + TT <= t1; t += TT) tile_q(kind, R, TT, W, r, 1, A, t, Y, ldy);
     if (TT > 2 && t + 2 <= t1) {
-        tile_q(kind, R, 2, W, r, A, t, Y, ldy);
+        tile_q(kind, R, 2, W, r, 1, A, t, Y, ldy);
         t += 2;
     }
-    if (t < t1) tile_q(kind, R, 1, W, r, A, t, Y, ldy);
+    if (t < t1) tile_q(kind, R, 1, W, r, 1, A, t, Y, ldy);
 }
 
 ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size_t r1,
                               const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
-        size_t r = r0;
-        for (; r + DECODE_ROWS_Q <= r1; r += DECODE_ROWS_Q) tile_q(kind, DECODE_ROWS_Q, 1, W, r, A, 0, Y, ldy);
-        if (r + 2 <= r1) {
-            tile_q(kind, 2, 1, W, r, A, 0, Y, ldy);
-            r += 2;
-        }
-        if (r < r1) tile_q(kind, 1, 1, W, r, A, 0, Y, ldy);
+        const size_t L = (r1 - r0) / DECODE_ROWS_Q; /* spread rows, as above */
+        for (size_t j = 0; j < L; j++) tile_q(kind, DECODE_ROWS_Q, 1, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + DECODE_ROWS_Q * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
     /* int8 rows are cheap to expand: more rows per activation; 4-bit: more tokens */
