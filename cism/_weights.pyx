@@ -22,7 +22,8 @@ cnp.import_array()
 cdef extern from "memscan.h" nogil:
     uint64_t cism_touch(const void *p, size_t n)
     uint64_t cism_scan(const void *p, size_t n)
-    uint64_t cism_scan_streams(const void *p, size_t n, size_t streams)
+    uint64_t cism_scan_regions(const size_t *addr, const size_t *size, size_t count,
+                               size_t begin, size_t end, size_t streams)
 
 
 PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
@@ -258,37 +259,26 @@ cdef class WeightStore:
 
     def scan(self):
         """Stream all weights with the model's threads (a bandwidth probe);
-        returns the bytes read. Each thread reads 128 KiB chunks as 4
-        interleaved streams, the way a gemv reads several rows at once: one
-        sequential stream per core reached about 70% of that here (and
-        1 MiB chunks as 8 streams less than that)."""
-        cdef int shift = 17
-        cdef size_t streams = 4
+        returns the bytes read. Each thread reads one contiguous share of the
+        weights as 8 interleaved streams far apart, as decode's gemv reads its
+        rows (csrc/memscan.h: cism_scan_regions)."""
         regions = self._regions()
-        cdef size_t count = len(regions), i, c, nchunks = 0
-        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 3 + 8)
+        cdef size_t count = len(regions), i
+        cdef size_t *addr = <size_t*>malloc(count * sizeof(size_t) * 2 + 8)
         if addr == NULL:
             raise MemoryError
         cdef size_t *size = addr + count
-        cdef size_t *first = size + count
-        total = 0
+        cdef size_t total_c = 0
         for i in range(count):
             addr[i], size[i] = regions[i]
-            first[i] = nchunks
-            nchunks += (size[i] + (<size_t>1 << shift) - 1) >> shift
-            total += size[i]
+            total_c += size[i]
+        total = total_c
         cdef uint64_t sink = 0
-        cdef size_t r, off, n
+        cdef int nt = self.scan_threads, t
         with nogil:
-            for c in prange(nchunks, num_threads=self.scan_threads, schedule='static'):
-                r = 0
-                while r + 1 < count and first[r + 1] <= c:
-                    r = r + 1
-                off = (c - first[r]) << shift
-                n = size[r] - off
-                if n > (<size_t>1 << shift):
-                    n = <size_t>1 << shift
-                sink += cism_scan_streams(<const void*>(addr[r] + off), n, streams)
+            for t in prange(nt, num_threads=nt, schedule='static'):
+                sink += cism_scan_regions(addr, size, count, total_c * t // nt,
+                                          total_c * (t + 1) // nt, 8)
         free(addr)
         self.sink_ += sink
         return total
