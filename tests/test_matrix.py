@@ -258,6 +258,30 @@ def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage):
             assert same_bits(m.gemm(X[:T], threads=2), base[:T])
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+def test_parallel_decode_spreads_rows_without_changing_them(storage):
+    """Above the parallel threshold a gemv hands each thread its whole share
+    and the kernel reads rows j, j + L, ... (uneven shares, leftover rows):
+    every thread count and ISA gives the single-threaded reference bits."""
+    r = rng(11)
+    W = special_matrix(709, 160, seed=3)   # 113440 multiply-adds, 23 chunks of 32 rows
+    x = r.standard_normal(160).astype(np.float32)
+    m = Matrix(W, storage)
+    before = _kernels.isa()
+    try:
+        _kernels.set_isa("ref")
+        want = {act: (setattr(m, "act_precision", act), m.gemv(x, threads=1))[1] for act in ("fp32", "int8")}
+        for isa in ISAS:
+            _kernels.set_isa(isa)
+            for act in ("fp32", "int8"):
+                m.act_precision = act
+                for threads in (1, 2, 3, 7):
+                    assert same_bits(m.gemv(x, threads=threads), want[act]), (isa, act, threads)
+    finally:
+        _kernels.set_isa(before)
+        m.act_precision = "fp32"
+
+
 @pytest.mark.parametrize("storage,act", sorted(NMSE_BOUND))
 def test_error_against_float64(storage, act):
     r = rng(7)
