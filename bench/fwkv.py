@@ -66,5 +66,6 @@ def main(argv=None):
           + f" on {report['cpus']} CPUs)")
     print(format_table(rows))
 
+
 if __name__ == "__main__":
     main()

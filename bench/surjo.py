@@ -61,5 +61,6 @@ def main(argv=None):
           + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) + ")")
     print(format_table(rows))
 
+
 if __name__ == "__main__":
     main()

@@ -15,7 +15,8 @@ from cython.parallel cimport prange
 from libc.stdint cimport uint8_t, uint64_t
 
 cdef extern from "memscan.h" nogil:
-    uint64_t cism_scan_streams(const void *p, size_t n, size_t streams)
+    uint64_t cism_scan_regions(const size_t *addr, const size_t *size, size_t count,
+                               size_t begin, size_t end, size_t streams)
 
 cdef extern from "ggml.h" nogil:
     int cism_ggml_decode(int type, const uint8_t *raw, size_t count, float *out)
@@ -187,7 +188,7 @@ def read_bandwidth(nbytes=1 << 31, threads=None, repeats=5, streams=8):
     from cism._threads import resolve_threads
     cdef int nt = resolve_threads(threads)
     buf = np.ones(int(nbytes) // 8, dtype=np.uint64)
-    cdef char *p = <char*>cnp.PyArray_DATA(buf)
+    cdef size_t addr = <size_t>cnp.PyArray_DATA(buf)
     cdef size_t n = buf.nbytes, part = n // nt, t
     cdef size_t ns = streams
     cdef uint64_t sink = 0
@@ -196,7 +197,7 @@ def read_bandwidth(nbytes=1 << 31, threads=None, repeats=5, streams=8):
         start = time.perf_counter()
         with nogil:
             for t in prange(nt, num_threads=nt, schedule='static'):
-                sink += cism_scan_streams(p + t * part, part, ns)
+                sink += cism_scan_regions(&addr, &n, 1, t * part, (t + 1) * part, ns)
         best = max(best, (part * nt) / (time.perf_counter() - start))
     if sink == 1:  # keep the reads
         print("", end="")

@@ -21,7 +21,6 @@ cnp.import_array()
 
 cdef extern from "memscan.h" nogil:
     uint64_t cism_touch(const void *p, size_t n)
-    uint64_t cism_scan(const void *p, size_t n)
     uint64_t cism_scan_regions(const size_t *addr, const size_t *size, size_t count,
                                size_t begin, size_t end, size_t streams)
 

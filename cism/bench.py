@@ -97,8 +97,8 @@ def read_bandwidth(threads, repeats=5):
 
 def scan_bandwidth(model, repeats=5):
     """Bytes per second the model's threads read its own packed weights
-    (Model.scan): the roofline's bandwidth, measured
-    on the same bytes and threads decode streams. A 2 GiB read (read_bandwidth)
+    (Model.scan): the roofline's bandwidth, measured on the same bytes and
+    threads decode streams. A 2 GiB read (read_bandwidth)
     runs slower on these hosts than reads of model-sized buffers. Best of
     ``repeats`` after a warm-up, like read_bandwidth: a ceiling."""
     best = 0.0

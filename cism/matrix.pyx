@@ -92,6 +92,27 @@ cdef inline const cism_act *pick_act(const cism_mat *W, bint act_q8, const cism_
     return a32
 
 
+cdef inline void gemm_chunks(const cism_kernels *k, const cism_mat **W, float **Y, const size_t *ldy,
+                             int count, const size_t *starts, size_t c0, size_t c1, bint act_q8,
+                             const cism_act *a32, const cism_act *a16, const cism_act *a8,
+                             size_t T) noexcept nogil:
+    """The rows of CHUNK-row chunks [c0, c1) of the matrices laid end to end
+    (matrix m holds chunks starts[m] .. starts[m + 1] - 1): one kernel call
+    per matrix the range touches."""
+    cdef int m
+    cdef size_t lo, hi, r0, r1
+    for m in range(count):
+        lo = c0 if c0 > starts[m] else starts[m]
+        hi = c1 if c1 < starts[m + 1] else starts[m + 1]
+        if lo < hi:
+            r0 = (lo - starts[m]) * CHUNK
+            r1 = (hi - starts[m]) * CHUNK
+            if r1 > W[m].rows:
+                r1 = W[m].rows
+            pick_kernel(k, W[m], act_q8)(W[m], r0, r1, pick_act(W[m], act_q8, a32, a16, a8),
+                                         T, Y[m], ldy[m])
+
+
 cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, bint act_q8,
                     const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil:
     cdef const cism_kernels *k = kernel_table()
@@ -99,12 +120,10 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     cdef size_t qlen = cism_act_len(cols)
     cdef size_t qblocks = qlen // 32
     cdef bint need16 = False, need8 = False
-    cdef int i, m
-    cdef size_t t, c, total = 0, work = 0, first, r0, r1, c0, c1, lo, hi
-    cdef int th
+    cdef int i, th
+    cdef size_t t, c, total = 0, work = 0
     cdef size_t starts[9]
     cdef cism_act a32, a16, a8
-    cdef cism_gemm_fn fn
     if count < 1 or count > 8:
         return -1
     for i in range(count):
@@ -151,39 +170,20 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         a8.qscale = s.qs8
         a8.ldq = qlen
         a8.ldqs = qblocks
-    if T == 1 and threads > 1 and total > 1 and work >= PARALLEL_MIN_WORK:
-        # Decode: each thread takes one contiguous share of the chunks and
-        # hands each matrix's part of it to the kernel in one call, so the
-        # kernel can spread its row streams over the whole share (streams
-        # far apart are what reach the memory bandwidth; see gemm_avx512.c).
-        for th in prange(threads, schedule='static', num_threads=threads):
-            c0 = total * th // threads
-            c1 = total * (th + 1) // threads
-            for m in range(count):
-                lo = c0 if c0 > starts[m] else starts[m]
-                hi = c1 if c1 < starts[m + 1] else starts[m + 1]
-                if lo < hi:
-                    r0 = (lo - starts[m]) * CHUNK
-                    r1 = (hi - starts[m]) * CHUNK
-                    if r1 > W[m].rows:
-                        r1 = W[m].rows
-                    fn = pick_kernel(k, W[m], act_q8)
-                    fn(W[m], r0, r1, pick_act(W[m], act_q8, &a32, &a16, &a8), T, Y[m], ldy[m])
-    elif threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
-        for c in prange(total, schedule='static', num_threads=threads):
-            m = 0
-            while c >= starts[m + 1]:
-                m = m + 1
-            r0 = (c - starts[m]) * CHUNK
-            r1 = r0 + CHUNK
-            if r1 > W[m].rows:
-                r1 = W[m].rows
-            fn = pick_kernel(k, W[m], act_q8)
-            fn(W[m], r0, r1, pick_act(W[m], act_q8, &a32, &a16, &a8), T, Y[m], ldy[m])
+    if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
+        if T == 1:
+            # Decode: each thread takes one contiguous share of the chunks, so
+            # the kernel gets each matrix's part of it in one call and can
+            # spread its row streams over the whole share (streams far apart
+            # are what reach the memory bandwidth; see gemm_avx512.c).
+            for th in prange(threads, schedule='static', num_threads=threads):
+                gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
+                            total * (th + 1) // threads, act_q8, &a32, &a16, &a8, T)
+        else:
+            for c in prange(total, schedule='static', num_threads=threads):
+                gemm_chunks(k, W, Y, ldy, count, starts, c, c + 1, act_q8, &a32, &a16, &a8, T)
     else:
-        for i in range(count):
-            fn = pick_kernel(k, W[i], act_q8)
-            fn(W[i], 0, W[i].rows, pick_act(W[i], act_q8, &a32, &a16, &a8), T, Y[i], ldy[i])
+        gemm_chunks(k, W, Y, ldy, count, starts, 0, total, act_q8, &a32, &a16, &a8, T)
     return 0
 
 

@@ -29,22 +29,10 @@ static inline uint64_t cism_scan(const void *p, size_t n) {
     return s0 + s1 + s2 + s3;
 }
 
-/* Read n bytes as `streams` interleaved sequential streams (the way a
- * multi-row gemv reads): several DRAM streams per core are needed to reach
- * the machine's bandwidth. */
-static inline uint64_t cism_scan_streams(const void *p, size_t n, size_t streams) {
-    const uint8_t *b = (const uint8_t *)p;
-    const size_t part = (n / streams) & ~(size_t)31;
-    uint64_t sink = 0;
-    for (size_t off = 0; off < part; off += 256) {
-        const size_t len = part - off < 256 ? part - off : 256;
-        for (size_t s = 0; s < streams; s++) sink += cism_scan(b + s * part + off, len);
-    }
-    if (part * streams < n) sink += cism_scan(b + part * streams, n - part * streams);
-    return sink;
-}
 /* Bytes [begin, end) of the concatenation of `count` regions (addresses
- * addr[i], sizes size[i]) read as `streams` (<= 16) interleaved streams, each
+ * addr[i], sizes size[i]) read as `streams` (<= 16) interleaved sequential
+ * streams (several DRAM streams per core are needed to reach the machine's
+ * bandwidth), each
  * a contiguous part of the range, in 512-byte steps (64 to 4096 tried: 512
  * read fastest here): how a thread of a decode gemv reads its
  * share of the weights (streams far apart), so Model.scan measures what

@@ -100,3 +100,30 @@ def test_out_of_memory_with_a_llama2c_checkpoint(data_dir):
     # With the least headroom a smaller allocation may fail first (opening the
     # file allocates a buffer of the filesystem's block size): named all the same.
     assert all(l == "ok" or l.startswith(f"{path}: out of memory while ") for l in loads), loads
+
+
+def test_memory_for_names_what_the_os_refused():
+    """The naming step itself (cism/loaders/_common.py): an unnamed
+    MemoryError and Python's "can't allocate lock" RuntimeError become a
+    MemoryError naming the file and step; an already named one and any
+    other error pass through untouched."""
+    from cism.loaders import memory_for
+
+    for raised in (MemoryError(), MemoryError("unable to allocate"),
+                   RuntimeError("can't allocate read lock")):
+        with pytest.raises(MemoryError) as e:
+            with memory_for("/m/x.gguf", "loading tensor 'w' (8 bytes)"):
+                raise raised
+        assert str(e.value) == "/m/x.gguf: out of memory while loading tensor 'w' (8 bytes)"
+    inner = MemoryError("/m/x.gguf: out of memory while packing the weights at int8")
+    with pytest.raises(MemoryError) as e:
+        with memory_for("/m/x.gguf", "loading the checkpoint"):
+            raise inner
+    assert e.value is inner
+    for other in (RuntimeError("something else"), ValueError("bad"), KeyError("k")):
+        with pytest.raises(type(other)) as e:
+            with memory_for("/m/x.gguf", "loading the checkpoint"):
+                raise other
+        assert e.value is other
+    with memory_for("/m/x.gguf", "loading the checkpoint"):
+        pass

@@ -141,7 +141,7 @@ ALWAYS_INLINE void deq32(const int S, const uint8_t *p, size_t so, size_t u, __m
     else fp4_unit32(p, so, u, w);
 }
 
-/* An R x TT tile of dots: rows r.., tokens of X (row stride ldx). */
+/* An R x TT tile of dots: rows r, r + rs, ..., tokens of X (row stride ldx). */
 ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                             const float *X, size_t ldx, float *Y, size_t ldy) {
     const size_t n = W->cols, so = W->scale_offset;

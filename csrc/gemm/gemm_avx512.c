@@ -185,10 +185,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         /* 4-bit rows: 8 rows of dequantization would spill vector registers */
         const int R = S != CISM_INT4 && S != CISM_FP4 ? 8 : 4;
         const size_t L = (r1 - r0) / R;
-        for (size_t j = 0; j < L; j++) {
-            if (R == 8) tile_f32(S, 8, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
-            else tile_f32(S, 4, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
-        }
+        for (size_t j = 0; j < L; j++) tile_f32(S, R, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
         return;
     }
@@ -368,10 +365,7 @@ ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size
     if (T == 1) { /* R streams spread over the rows, as in gemm_f32_tpl */
         const int R = kind <= 1 ? 8 : 4;
         const size_t L = (r1 - r0) / R;
-        for (size_t j = 0; j < L; j++) {
-            if (R == 8) tile_q(kind, 8, 1, W, r0 + j, L, A, 0, Y, ldy);
-            else tile_q(kind, 4, 1, W, r0 + j, L, A, 0, Y, ldy);
-        }
+        for (size_t j = 0; j < L; j++) tile_q(kind, R, 1, W, r0 + j, L, A, 0, Y, ldy);
         for (size_t r = r0 + R * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
