@@ -18,7 +18,7 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 
-from cism._kernels cimport cism_kernels, cism_mat, kernel_table
+from cism._kernels cimport cism_kernels, cism_mat, cism_act, kernel_table, CISM_FP32
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
@@ -404,6 +404,9 @@ cdef inline float *v_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
     return kv.values + ((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
 
 
+DEF QTILE = 4  # queries of one sequence attended together (one 4 x 4 score tile)
+
+
 cdef struct Work:
     # token-major scratch for up to tokens_cap tokens
     float *x        # (T, hidden) residual stream
@@ -416,18 +419,22 @@ cdef struct Work:
     float *gate     # (T, inter)
     float *up       # (T, inter)
     float *head_in  # (n_out, hidden) final-normed rows that need logits
-    float *scores   # (threads, score_cap) attention scores, one row per thread
+    float *scores   # (threads, QTILE * score_cap) attention scores of one query tile per thread
     float *rope     # (threads, head_dim) cos/sin beyond the table
     int *seq_of     # (T,) sequence of each token
     size_t *pos_of  # (T,) position of each token
     size_t *out_rows
+    size_t *tile_of  # (T,) first token of each attention query tile
     size_t tokens_cap, score_cap, out_cap, threads_cap
     Scratch qs
 
 
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
     cdef size_t nt = m.threads
+    # a cap is zeroed before its buffers are replaced, so a failed grow
+    # leaves nothing that a later, smaller call could mistake for room
     if T > w.tokens_cap:
+        w.tokens_cap = 0
         if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.q, T * m.q_width)
                 or grow_f(&w.k, T * m.kv_width) or grow_f(&w.v, T * m.kv_width)
                 or grow_f(&w.att, T * m.q_width) or grow_f(&w.proj, T * m.hidden)
@@ -436,15 +443,19 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
         w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
         w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
         w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
-        if w.seq_of == NULL or w.pos_of == NULL or w.out_rows == NULL:
+        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
+        if w.seq_of == NULL or w.pos_of == NULL or w.out_rows == NULL or w.tile_of == NULL:
             return -1
         w.tokens_cap = T
     if n_out > w.out_cap:
+        w.out_cap = 0
         if grow_f(&w.head_in, n_out * m.hidden):
             return -1
         w.out_cap = n_out
     if S > w.score_cap or nt > w.threads_cap:
-        if grow_f(&w.scores, nt * S) or grow_f(&w.rope, nt * m.head_dim):
+        w.score_cap = 0
+        w.threads_cap = 0
+        if grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * m.head_dim):
             return -1
         w.score_cap = S
         w.threads_cap = nt
@@ -454,7 +465,7 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
 cdef void work_free(Work *w) noexcept nogil:
     free(w.x); free(w.xn); free(w.q); free(w.k); free(w.v); free(w.att); free(w.proj)
     free(w.gate); free(w.up); free(w.head_in); free(w.scores); free(w.rope)
-    free(w.seq_of); free(w.pos_of); free(w.out_rows)
+    free(w.seq_of); free(w.pos_of); free(w.out_rows); free(w.tile_of)
     scratch_free(&w.qs)
     memset(w, 0, sizeof(Work))
 
@@ -492,29 +503,88 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     memcpy(v_row(kv, l, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
 
 
-cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t h,
-                 const KV *kv, size_t pos, float *sc) noexcept nogil:
-    """Causal attention of token g, head h over positions 0..pos of its sequence."""
-    cdef size_t hd = m.head_dim, span = pos + 1, tau
+cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
+    """How many positions from pos (< end) sit in consecutive cache rows."""
+    if kv.blocks == NULL:
+        return end - pos
+    return min(16 - (pos & 15), end - pos)
+
+
+cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g0, size_t nq,
+                 size_t h, const KV *kv, float *sc) noexcept nogil:
+    """Causal attention of head h for the nq tokens g0.. of one sequence at
+    consecutive positions p0..p0 + nq - 1 (one query tile).
+
+    Every query gets exactly the arithmetic of attending alone, position by
+    position: its scores are canonical dots (the fp32 gemm kernel with the
+    cached keys as the matrix and the queries as tokens), times the scale;
+    then max, exp, one sum in position order, each weight score / sum; then
+    out = fma(weight, value, out) over positions in order (axpy_tile for the
+    positions every query of the tile sees, plain axpy for the rest)."""
+    cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
+    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, tau, run, i, n
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef const float *q = w.q + g * m.q_width + h * hd
-    cdef float *out = w.att + g * m.q_width + h * hd
     cdef float scale = 1.0 / sqrtf(<float>hd)
-    cdef float maximum, denom = 0
-    for tau in range(span):
-        sc[tau] = K.dot(q, k_row(kv, l, tau) + kvh * hd, hd) * scale
-    maximum = sc[0]
-    for tau in range(1, span):
-        if sc[tau] > maximum:
-            maximum = sc[tau]
-    for tau in range(span):
-        sc[tau] = sc[tau] - maximum
-    K.exp(sc, sc, span)
-    for tau in range(span):
-        denom = denom + sc[tau]
-    memset(out, 0, hd * sizeof(float))
-    for tau in range(span):
-        K.axpy(sc[tau] / denom, v_row(kv, l, tau) + kvh * hd, out, hd)
+    cdef float maximum, denom
+    cdef float *row
+    cdef float *out = w.att + g0 * QW + h * hd
+    cdef cism_mat keys
+    cdef cism_act act
+    memset(&act, 0, sizeof(cism_act))
+    act.x = w.q + g0 * QW + h * hd
+    act.ldx = QW
+    keys.storage = CISM_FP32
+    keys.cols = hd
+    keys.row_bytes = KW * sizeof(float)
+    keys.scale_offset = 0
+    keys.scales = NULL
+    tau = 0
+    while tau < span:
+        run = key_run(kv, tau, span)
+        keys.rows = run
+        keys.codes = k_row(kv, l, tau) + kvh * hd
+        K.gemm[CISM_FP32](&keys, 0, run, &act, nq, sc + tau, span)
+        tau += run
+    for i in range(nq):
+        row = sc + i * span
+        n = p0 + i + 1
+        for tau in range(n):
+            row[tau] = row[tau] * scale
+        maximum = row[0]
+        for tau in range(1, n):
+            if row[tau] > maximum:
+                maximum = row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] - maximum
+        K.exp(row, row, n)
+        denom = 0
+        for tau in range(n):
+            denom = denom + row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] / denom
+        memset(out + i * QW, 0, hd * sizeof(float))
+    tau = 0
+    while tau <= p0:
+        run = key_run(kv, tau, p0 + 1)
+        K.axpy_tile(sc + tau, span, nq, v_row(kv, l, tau) + kvh * hd, KW, run, out, QW, hd)
+        tau += run
+    for i in range(1, nq):
+        for tau in range(p0 + 1, p0 + i + 1):
+            K.axpy(sc[i * span + tau], v_row(kv, l, tau) + kvh * hd, out + i * QW, hd)
+
+
+cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:
+    """Cut the T tokens into runs of up to QTILE tokens of one sequence at
+    consecutive positions (a prompt chunk gives full tiles, a batch of
+    single decode tokens tiles of one); w.tile_of[i] = first token of tile
+    i. Returns the number of tiles."""
+    cdef size_t g, n = 0
+    for g in range(T):
+        if (n == 0 or g - w.tile_of[n - 1] == QTILE or w.seq_of[g] != w.seq_of[g - 1]
+                or w.pos_of[g] != w.pos_of[g - 1] + 1):
+            w.tile_of[n] = g
+            n += 1
+    return n
 
 
 cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, const KV *kvs,
@@ -527,7 +597,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef size_t H = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width
     cdef int nt = m.threads
     cdef int ntT = nt if T > 1 else 1
-    cdef int ntH = nt if T * m.heads > 1 else 1
+    cdef int ntH
+    cdef size_t ntiles
     cdef int ntO = nt if n_out > 1 else 1
     cdef size_t S = 0, g, l, r, i
     cdef const Layer *L
@@ -541,6 +612,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
             S = w.pos_of[g] + 1
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
+    ntiles = query_tiles(w, T)
+    ntH = nt if ntiles * m.heads > 1 else 1
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
@@ -567,10 +640,12 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # (qwen3 q/k norms,) rotate q and k, store k and v
         for g in prange(T, num_threads=ntT, schedule='static'):
             qk_rope_store(m, w, l, g, &kvs[w.seq_of[g]], w.pos_of[g], threadid())
-        # causal GQA attention, one (token, head) row per work item
-        for r in prange(T * m.heads, num_threads=ntH, schedule='static'):
-            attend(m, K, w, l, r // m.heads, r % m.heads, &kvs[w.seq_of[r // m.heads]],
-                   w.pos_of[r // m.heads], w.scores + threadid() * w.score_cap)
+        # causal GQA attention, one (query tile, head) per work item; later
+        # tiles attend over more positions, hence the dynamic schedule
+        for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
+            g = w.tile_of[r // m.heads]
+            attend(m, K, w, l, g, (w.tile_of[r // m.heads + 1] if r // m.heads + 1 < ntiles else T) - g,
+                   r % m.heads, &kvs[w.seq_of[g]], w.scores + threadid() * QTILE * w.score_cap)
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, q8, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM
@@ -1157,6 +1232,7 @@ cdef class BatchSession:
                     self.w.out_rows[n_out] = i
                     n_out += 1
             if n_out * vocab > self.rows_cap:
+                self.rows_cap = 0
                 if grow_f(&self.rows, n_out * vocab):
                     rc = NOMEM
                     break

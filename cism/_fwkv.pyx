@@ -214,6 +214,7 @@ cdef struct Work:
 cdef int work_reserve(Work *w, const ModelC *m, size_t T) noexcept nogil:
     if T <= w.tokens_cap:
         return 0
+    w.tokens_cap = 0  # stays 0 if a grow fails (the buffers are replaced)
     if (grow_f(&w.x, T * m.d) or grow_f(&w.k, T * m.d) or grow_f(&w.v, T * m.d)
             or grow_f(&w.r, T * m.d) or grow_f(&w.g, T * m.d) or grow_f(&w.o, T * m.d)
             or grow_f(&w.f, T * m.ffn) or grow_f(&w.emb, T * m.e) or grow_f(&w.h, T * m.d)):
@@ -502,6 +503,7 @@ cdef class Session(DecodeSession):
         # after every candidate, so a partial reject needs no replay
         cdef size_t S = self.m.layers * self.m.d
         if ncand + 1 > self.snaps_cap:
+            self.snaps_cap = 0
             if grow_f(&self.snaps, (ncand + 1) * S):
                 return NOMEM
             self.snaps_cap = ncand + 1

@@ -53,6 +53,9 @@ cdef extern from "kernels.h" nogil:
                                   size_t T, float *Y, size_t ldy) noexcept nogil
     ctypedef float (*cism_dot_fn)(const float *a, const float *b, size_t n) noexcept nogil
     ctypedef void (*cism_axpy_fn)(float a, const float *x, float *y, size_t n) noexcept nogil
+    ctypedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const float *V,
+                                       size_t ldv, size_t nk, float *O, size_t ldo,
+                                       size_t n) noexcept nogil
     ctypedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
@@ -65,6 +68,7 @@ cdef extern from "kernels.h" nogil:
         cism_gemm_fn gemm_fp4_q16
         cism_dot_fn dot
         cism_axpy_fn axpy
+        cism_axpy_tile_fn axpy_tile
         cism_quant16_fn quant16
         cism_quant8_fn quant8
         cism_unary_fn exp

@@ -156,6 +156,23 @@ def axpy(float alpha, x, y):
     return out
 
 
+def axpy_tile(P, V, O):
+    """Return O + P @ V computed as attention does: for each query row q and
+    key k in order, O[q] = fma(P[q, k], V[k], O[q]) element by element (the
+    table's tiled kernel; bit-identical to the same axpy calls)."""
+    cdef cnp.ndarray p = np.ascontiguousarray(P, dtype=np.float32)
+    cdef cnp.ndarray v = np.ascontiguousarray(V, dtype=np.float32)
+    cdef cnp.ndarray out = np.array(O, dtype=np.float32, order="C", copy=True)
+    if p.ndim != 2 or v.ndim != 2 or out.ndim != 2:
+        raise ValueError("P, V and O must be 2-D")
+    if p.shape[1] != v.shape[0] or out.shape[0] != p.shape[0] or out.shape[1] != v.shape[1]:
+        raise ValueError(f"shapes do not chain: P {np.shape(p)}, V {np.shape(v)}, O {np.shape(out)}")
+    cism_table().axpy_tile(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
+                           <const float*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
+                           <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
+    return out
+
+
 def quantize(x, int bits):
     """Quantize an activation row as the int8 activation paths do.
 

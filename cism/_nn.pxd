@@ -2,14 +2,19 @@
 # (cimport cism._nn). Plain C arithmetic, compiled without FMA contraction, so
 # every module computes them identically.
 from libc.math cimport sqrt
-from libc.stdlib cimport realloc
+from libc.stdlib cimport free
+
+cdef extern from "<stdlib.h>" nogil:
+    void *aligned_alloc(size_t alignment, size_t size)
 
 cdef inline int grow_f(float **p, size_t n) noexcept nogil:
-    cdef float *q = <float*>realloc(p[0], n * sizeof(float) + 64)
-    if q == NULL:
-        return -1
-    p[0] = q
-    return 0
+    """Replace p[0] by a buffer of n floats (and 64 spare bytes), 64-byte
+    aligned so that kernel loads never straddle cache lines. The old
+    contents are NOT kept: every caller grows a buffer before filling it.
+    On failure p[0] is NULL (and free()-able)."""
+    free(p[0])
+    p[0] = <float*>aligned_alloc(64, (n * sizeof(float) + 64 + 63) // 64 * 64)
+    return -1 if p[0] == NULL else 0
 
 
 cdef inline void rmsnorm(const float *x, float *out, const float *weight, size_t n, float eps) noexcept nogil:

@@ -211,6 +211,7 @@ cdef class DecodeSession(SessionState):
         if allowed > 1 and self.emitted[0] == self.cands[0]:
             accepted = 1
             if ncand * vocab > self.block_cap:
+                self.block_cap = 0
                 if grow_f(&self.block_logits, ncand * vocab):
                     return NOMEM
                 self.block_cap = ncand * vocab
@@ -359,8 +360,12 @@ cdef class DecodeSession(SessionState):
         with self.lock:
             with nogil:
                 rc = self.alloc()
-                if rc == OK and grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
-                    rc = NOMEM
+                if rc == OK and PREFILL_CHUNK * vocab > self.block_cap:
+                    self.block_cap = 0
+                    if grow_f(&self.block_logits, PREFILL_CHUNK * vocab):
+                        rc = NOMEM
+                    else:
+                        self.block_cap = PREFILL_CHUNK * vocab
                 while rc == OK and start < n:
                     T = n - start
                     if T > PREFILL_CHUNK:
@@ -382,8 +387,6 @@ cdef class DecodeSession(SessionState):
                             lse += exp(<double>row[v] - <double>mx)
                         total += <double>mx + log(lse) - <double>row[self.s.prompt[start + i + 1]]
                     start += T
-                if PREFILL_CHUNK * vocab > self.block_cap:
-                    self.block_cap = PREFILL_CHUNK * vocab
             self.finish_call(rc)
             return total / (n - 1)
 

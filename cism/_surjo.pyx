@@ -382,7 +382,10 @@ cdef struct Work:
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
     cdef size_t nt = m.threads
     cdef size_t kt = m.key_total, vt = m.value_total
+    # a cap is zeroed before its buffers are replaced, so a failed grow
+    # leaves nothing that a later, smaller call could mistake for room
     if T > w.tokens_cap:
+        w.tokens_cap = 0
         if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.proj, T * m.hidden)
                 or grow_f(&w.q, T * m.q_width) or grow_f(&w.k, T * m.kv_width)
                 or grow_f(&w.v, T * m.kv_width) or grow_f(&w.att, T * m.q_width)
@@ -397,10 +400,13 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
             return -1
         w.tokens_cap = T
     if n_out > w.out_cap:
+        w.out_cap = 0
         if grow_f(&w.head_in, n_out * m.hidden):
             return -1
         w.out_cap = n_out
     if S > w.score_cap or nt > w.threads_cap:
+        w.score_cap = 0
+        w.threads_cap = 0
         if (grow_f(&w.scores, nt * S) or grow_f(&w.rope, nt * m.head_dim)
                 or grow_f(&w.delta, nt * 2 * m.v_dim)):
             return -1

@@ -60,13 +60,14 @@ cdef void scratch_free(Scratch *s) noexcept nogil:
 
 
 cdef int grow(void **p, size_t *cap, size_t need) noexcept nogil:
-    cdef void *q
+    """Scratch of at least `need` bytes, 64-byte aligned (contents not kept)."""
     if need <= cap[0]:
         return 0
-    q = realloc(p[0], need)
-    if q == NULL:
+    free(p[0])
+    cap[0] = 0
+    p[0] = aligned_alloc(64, cism_div_up(need, 64) * 64)
+    if p[0] == NULL:
         return -1
-    p[0] = q
     cap[0] = need
     return 0
 

@@ -58,6 +58,13 @@ typedef void (*cism_gemm_fn)(const cism_mat *W, size_t r0, size_t r1, const cism
 typedef float (*cism_dot_fn)(const float *a, const float *b, size_t n);
 /* y[i] = fma(a, x[i], y[i]) */
 typedef void (*cism_axpy_fn)(float a, const float *x, float *y, size_t n);
+/* Attention's weighted sum of values, nq queries at once: for each query q
+ * and each key k < nk in order, axpy(P[q*ldp + k], V + k*ldv, O + q*ldo, n).
+ * Bit-identical to those axpy calls (every element is the same fma chain);
+ * a tile only keeps O in registers and loads each value row once for
+ * several queries. */
+typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                                  size_t nk, float *O, size_t ldo, size_t n);
 /* Quantize n floats: writes cism_act_len(n) codes and cism_act_len(n)/32
  * scales, zero beyond n (so kernels may read whole vectors). */
 typedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales);
@@ -76,6 +83,7 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_fp4_q16;               /* fp4 weights x q16 activations */
     cism_dot_fn dot;
     cism_axpy_fn axpy;
+    cism_axpy_tile_fn axpy_tile;
     cism_quant16_fn quant16;
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;

@@ -319,6 +319,33 @@ def test_negative_zero_lanes_survive_tails(isa_level):
             assert same_bits(m.gemv(x), want), (isa, storage)
 
 
+def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
+    """axpy_tile (attention's weighted sum of values, several queries at
+    once) equals the same axpy calls made one by one, bit for bit, for
+    ragged query counts, key counts and widths (masked tails), including a
+    -0 start that a +0 product must turn into +0 exactly as axpy does."""
+    r = rng(13)
+    cases = [(nq, nk, n) for nq in (1, 2, 3, 4, 5, 9) for nk in (0, 1, 7, 33)
+             for n in (1, 8, 15, 16, 17, 63, 64, 65, 100, 128)]
+    for nq, nk, n in cases:
+        P = r.standard_normal((nq, nk)).astype(np.float32)
+        V = r.standard_normal((nk, n)).astype(np.float32)
+        O = r.standard_normal((nq, n)).astype(np.float32)
+        O[:, ::5] = -0.0
+        if nk:
+            P[:, 0] = 0.0
+        isa_level("ref")
+        want = O.copy()
+        for q in range(nq):
+            for k in range(nk):
+                want[q] = _kernels.axpy(P[q, k], V[k], want[q])
+        for isa in ISAS:
+            isa_level(isa)
+            assert same_bits(_kernels.axpy_tile(P, V, O), want), (isa, nq, nk, n)
+    with pytest.raises(ValueError, match="do not chain"):
+        _kernels.axpy_tile(np.zeros((2, 3)), np.zeros((4, 5)), np.zeros((2, 5)))
+
+
 def test_quantized_activations_match_numpy_rule():
     x = rng(9).standard_normal(100).astype(np.float32)
     x[32:64] = 0

@@ -479,6 +479,44 @@ static void axpy_avx2(float a, const float *x, float *y, size_t n) {
     for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
 
+/* Up to 4 queries x 32 columns per pass (16 ymm of O in registers); the
+ * last partial vector goes through maskload/maskstore, whose lanes outside
+ * the mask read 0 and are not written. */
+ALWAYS_INLINE void axpy_pass_avx2(const int QN, const float *P, size_t ldp, const float *V,
+                                  size_t ldv, size_t nk, float *O, size_t ldo, size_t c0, size_t n) {
+    __m256 o[4][4];
+    __m256i m[4];
+    for (int v = 0; v < 4; v++) m[v] = lane_mask((long)n - (long)(c0 + 8 * v));
+    for (int q = 0; q < QN; q++)
+        for (int v = 0; v < 4; v++) o[q][v] = _mm256_maskload_ps(O + q * ldo + c0 + 8 * v, m[v]);
+    for (size_t k = 0; k < nk; k++) {
+        __m256 x[4];
+        for (int v = 0; v < 4; v++) x[v] = _mm256_maskload_ps(V + k * ldv + c0 + 8 * v, m[v]);
+        for (int q = 0; q < QN; q++) {
+            const __m256 a = _mm256_set1_ps(P[q * ldp + k]);
+            for (int v = 0; v < 4; v++) o[q][v] = _mm256_fmadd_ps(a, x[v], o[q][v]);
+        }
+    }
+    for (int q = 0; q < QN; q++)
+        for (int v = 0; v < 4; v++) _mm256_maskstore_ps(O + q * ldo + c0 + 8 * v, m[v], o[q][v]);
+}
+
+static void axpy_tile_avx2(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                           size_t nk, float *O, size_t ldo, size_t n) {
+    for (size_t q = 0; q < nq; q += 4) {
+        const float *Pq = P + q * ldp;
+        float *Oq = O + q * ldo;
+        for (size_t c0 = 0; c0 < n; c0 += 32) {
+            switch (nq - q) {
+            case 1: axpy_pass_avx2(1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 2: axpy_pass_avx2(2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 3: axpy_pass_avx2(3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            default: axpy_pass_avx2(4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            }
+        }
+    }
+}
+
 /* One 32-element block: four vectors (zero past n), their lane masks and the
  * absolute maximum. max_ps(|x|, m) is the reference's `|x| > m ? |x| : m`
  * lane by lane (a NaN element is skipped, as there). */
@@ -555,6 +593,7 @@ void cism_fill_gemm_avx2(cism_kernels *k) {
     k->gemm_fp4_q16 = gemm_fp4_q16_avx2;
     k->dot = dot_avx2;
     k->axpy = axpy_avx2;
+    k->axpy_tile = axpy_tile_avx2;
     k->quant16 = quant16_avx2;
     k->quant8 = quant8_avx2;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx2";

@@ -29,6 +29,46 @@ ALWAYS_INLINE float hsum(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+/* The canonical reductions of a 4 x 4 tile of dot accumulators at once:
+ * element 4j + i of the result is hsum(acc[i][j]) (row i, token j), i.e.
+ * block j holds token j's 4 rows. Each level adds the same pairs as hsum
+ * (lanes i and i + 8, then i and i + 4 within each half, then i and i + 2,
+ * then the last two), only 16 dots at a time: 12 additions and 28 shuffles
+ * instead of 64 and 64. Missing tokens (TT < 4) read as zero and are not
+ * stored by the caller. */
+ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int TT) {
+    __m512 a[16], b[8], c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) a[4 * i + j] = j < TT ? acc[i][j] : _mm512_setzero_ps();
+    /* b[m] = [s8(a[2m]) | s8(a[2m + 1])] */
+    for (int m = 0; m < 8; m++)
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xee));
+    /* c[p], 128-bit block k = s4(a[4p + k]) */
+    for (int p = 0; p < 4; p++)
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xdd));
+    /* d[q], block k = [s2(a[8q + k]), s2(a[8q + 4 + k])] */
+    for (int q = 0; q < 2; q++)
+        d[q] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * q], c[2 * q + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * q], c[2 * q + 1], 0xee));
+    /* block k = [sum(a[k]), sum(a[4 + k]), sum(a[8 + k]), sum(a[12 + k])] */
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+}
+
+/* Store a 4-row tile's dots (rows r..r+3 adjacent) for TT tokens, times
+ * the int8 row scales when `scales` is given (the same product as the
+ * one-dot path). */
+ALWAYS_INLINE void store_tile4(const __m512 acc[8][4], const int TT, const float *scales, size_t r,
+                               float *Y, size_t ldy) {
+    __m512 v = hsum_tile4(acc, TT);
+    if (scales) v = _mm512_mul_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(scales + r)));
+    _mm_storeu_ps(Y + r, _mm512_castps512_ps128(v));
+    if (TT > 1) _mm_storeu_ps(Y + ldy + r, _mm512_extractf32x4_ps(v, 1));
+    if (TT > 2) _mm_storeu_ps(Y + 2 * ldy + r, _mm512_extractf32x4_ps(v, 2));
+    if (TT > 3) _mm_storeu_ps(Y + 3 * ldy + r, _mm512_extractf32x4_ps(v, 3));
+}
+
 /* ---- fp32 activations: weights dequantized 16 elements at a time ---- */
 
 /* One pointer per row: int4/fp4 scales sit inside the row at scale_offset
@@ -157,6 +197,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         }
     }
     }
+    if (R == 4 && rs == 1) {
+        store_tile4(acc, TT, S == CISM_INT8 ? W->scales : NULL, r, Y, ldy);
+        return;
+    }
     for (int i = 0; i < R; i++) {
         const size_t row = r + i * rs;
         const float scale = S == CISM_INT8 ? W->scales[row] : 1.0f;
@@ -253,6 +297,10 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
             }
         }
     }
+    if (R == 4 && rs == 1) {
+        store_tile4(acc, TT, W->scales, r, Y + t * ldy, ldy);
+        return;
+    }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]) * W->scales[r + i * rs];
 }
@@ -290,6 +338,10 @@ ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size
                 acc[i][j] = _mm512_fmadd_ps(s, _mm512_set1_ps(ws * as[j]), acc[i][j]);
             }
         }
+    }
+    if (R == 4 && rs == 1) {
+        store_tile4(acc, TT, NULL, r, Y + t * ldy, ldy);
+        return;
     }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]);
@@ -335,6 +387,10 @@ ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size
                 acc[i][j] = _mm512_fmadd_ps(s, _mm512_mul_ps(ws, as[j]), acc[i][j]);
             }
         }
+    }
+    if (R == 4 && rs == 1) {
+        store_tile4(acc, TT, NULL, r, Y + t * ldy, ldy);
+        return;
     }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]);
@@ -424,6 +480,48 @@ static void axpy_avx512(float a, const float *x, float *y, size_t n) {
     }
 }
 
+/* Up to 4 queries x 64 columns per pass: 16 zmm of O stay in registers
+ * while the keys go by in order, each value vector loaded once for all
+ * queries of the pass. */
+ALWAYS_INLINE void axpy_pass_avx512(const int QN, const float *P, size_t ldp, const float *V,
+                                    size_t ldv, size_t nk, float *O, size_t ldo, size_t c0,
+                                    size_t n) {
+    __m512 o[4][4];
+    __mmask16 m[4];
+    for (int v = 0; v < 4; v++) {
+        const size_t c = c0 + 16 * v;
+        m[v] = c >= n ? 0 : n - c >= 16 ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
+    }
+    for (int q = 0; q < QN; q++)
+        for (int v = 0; v < 4; v++) o[q][v] = _mm512_maskz_loadu_ps(m[v], O + q * ldo + c0 + 16 * v);
+    for (size_t k = 0; k < nk; k++) {
+        __m512 x[4];
+        for (int v = 0; v < 4; v++) x[v] = _mm512_maskz_loadu_ps(m[v], V + k * ldv + c0 + 16 * v);
+        for (int q = 0; q < QN; q++) {
+            const __m512 a = _mm512_set1_ps(P[q * ldp + k]);
+            for (int v = 0; v < 4; v++) o[q][v] = _mm512_fmadd_ps(a, x[v], o[q][v]);
+        }
+    }
+    for (int q = 0; q < QN; q++)
+        for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(O + q * ldo + c0 + 16 * v, m[v], o[q][v]);
+}
+
+static void axpy_tile_avx512(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                             size_t nk, float *O, size_t ldo, size_t n) {
+    for (size_t q = 0; q < nq; q += 4) {
+        const float *Pq = P + q * ldp;
+        float *Oq = O + q * ldo;
+        for (size_t c0 = 0; c0 < n; c0 += 64) {
+            switch (nq - q) {
+            case 1: axpy_pass_avx512(1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 2: axpy_pass_avx512(2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 3: axpy_pass_avx512(3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            default: axpy_pass_avx512(4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            }
+        }
+    }
+}
+
 /* Absolute maximum and the two rounded halves of one 32-element block. */
 ALWAYS_INLINE float block_absmax(const float *x, size_t start, size_t n, __m512 *v0, __m512 *v1) {
     const size_t left = start < n ? n - start : 0;
@@ -480,6 +578,7 @@ void cism_fill_gemm_avx512(cism_kernels *k) {
     k->gemm_fp4_q16 = gemm_fp4_q16_avx512;
     k->dot = dot_avx512;
     k->axpy = axpy_avx512;
+    k->axpy_tile = axpy_tile_avx512;
     k->quant16 = quant16_avx512;
     k->quant8 = quant8_avx512;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx512";

@@ -117,6 +117,12 @@ static void axpy_ref(float a, const float *x, float *y, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
 
+static void axpy_tile_ref(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                          size_t nk, float *O, size_t ldo, size_t n) {
+    for (size_t q = 0; q < nq; q++)
+        for (size_t k = 0; k < nk; k++) axpy_ref(P[q * ldp + k], V + k * ldv, O + q * ldo, n);
+}
+
 static float block_absmax(const float *x, size_t start, size_t n) {
     float m = 0.0f;
     for (size_t i = start; i < start + 32 && i < n; i++) {
@@ -163,6 +169,7 @@ void cism_fill_gemm_ref(cism_kernels *k) {
     k->gemm_fp4_q16 = gemm_fp4_q16_ref;
     k->dot = dot_ref;
     k->axpy = axpy_ref;
+    k->axpy_tile = axpy_tile_ref;
     k->quant16 = quant16_ref;
     k->quant8 = quant8_ref;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "ref";
