@@ -197,16 +197,18 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         }
     }
     }
+    /* int8 rows: the row scale after the dot; fp32 rows carry scales only
+     * when they are int8 codes dequantized by rows_deq */
+    const float *scales = S == CISM_INT8 || S == CISM_FP32 ? W->scales : NULL;
     if (R == 4 && rs == 1) {
-        store_tile4(acc, TT, S == CISM_INT8 ? W->scales : NULL, r, Y, ldy);
+        store_tile4(acc, TT, scales, r, Y, ldy);
         return;
     }
     for (int i = 0; i < R; i++) {
         const size_t row = r + i * rs;
-        const float scale = S == CISM_INT8 ? W->scales[row] : 1.0f;
         for (int j = 0; j < TT; j++) {
             const float d = hsum(acc[i][j]);
-            Y[j * ldy + row] = S == CISM_INT8 ? d * scale : d;
+            Y[j * ldy + row] = scales ? d * scales[row] : d;
         }
     }
 }
@@ -219,6 +221,56 @@ ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t 
     case 3: tile_f32(S, R, 3, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
     case 2: tile_f32(S, R, 2, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
     case 1: tile_f32(S, R, 1, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
+    default: break;
+    }
+}
+
+/* Rows r..r+3 as floats, exactly the weights the tiles multiply (int8:
+ * the codes, the row scale comes after the dot). Elements past the end
+ * are not written: the fp32 tile reads them masked. */
+ALWAYS_INLINE void dequant_rows4(const int S, const cism_mat *W, size_t r, float *out) {
+    const size_t n = W->cols, so = W->scale_offset;
+    for (int i = 0; i < 4; i++) {
+        const row_ptr p = row_at(S, W, r + i);
+        float *o = out + i * n;
+        if (S == CISM_INT4) {
+            for (size_t b = 0; 32 * b < n; b++) {
+                __m512 w0, w1;
+                int4_block32(p, so, b, &w0, &w1);
+                const size_t left = n - 32 * b;
+                _mm512_mask_storeu_ps(o + 32 * b, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1), w0);
+                if (left > 16)
+                    _mm512_mask_storeu_ps(o + 32 * b + 16,
+                                          left >= 32 ? 0xffff : (__mmask16)((1u << (left - 16)) - 1), w1);
+            }
+        } else {
+            for (size_t c = 0; 16 * c < n; c++) {
+                const size_t left = n - 16 * c;
+                const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+                _mm512_mask_storeu_ps(o + 16 * c, m, deq16(S, p, so, c, m));
+            }
+        }
+    }
+}
+
+/* Prefill rows of a packed (not fp32) matrix: 4 rows are dequantized once
+ * per token chunk into a stack buffer and the fp32 tile runs over it, so
+ * the unpacking is shared by up to TOKEN_CHUNK tokens instead of 4. The
+ * floats are the very weights the direct tile would use, so every dot is
+ * unchanged. Rows longer than DEQ_MAX_COLS take the direct tile. */
+#define DEQ_MAX_COLS 4096
+ALWAYS_INLINE void rows_deq(const int S, const cism_mat *W, size_t r, const float *X, size_t ldx,
+                            size_t T, float *Y, size_t ldy) {
+    float buf[4 * DEQ_MAX_COLS] __attribute__((aligned(64)));
+    dequant_rows4(S, W, r, buf);
+    const cism_mat F = {CISM_FP32, 4, W->cols, buf, W->cols * sizeof(float), 0,
+                        S == CISM_INT8 ? W->scales + r : NULL};
+    size_t t = 0;
+    for (; t + 4 <= T; t += 4) tile_f32(CISM_FP32, 4, 4, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy);
+    switch (T - t) {
+    case 3: tile_f32(CISM_FP32, 4, 3, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
+    case 2: tile_f32(CISM_FP32, 4, 2, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
+    case 1: tile_f32(CISM_FP32, 4, 1, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
     default: break;
     }
 }
@@ -238,6 +290,8 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         const float *X = A->x + t0 * A->ldx;
         float *Yc = Y + t0 * ldy;
         size_t r = r0;
+        if (S != CISM_FP32 && tn > 4 && W->cols <= DEQ_MAX_COLS)
+            for (; r + 4 <= r1; r += 4) rows_deq(S, W, r, X, A->ldx, tn, Yc, ldy);
         for (; r + 4 <= r1; r += 4) rows_f32(S, 4, W, r, X, A->ldx, tn, Yc, ldy);
         for (; r < r1; r++) rows_f32(S, 1, W, r, X, A->ldx, tn, Yc, ldy);
     }
