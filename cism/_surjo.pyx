@@ -26,7 +26,7 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 
-from cism._kernels cimport cism_kernels, cism_mat, kernel_table
+from cism._kernels cimport cism_kernels, cism_mat, cism_act, kernel_table, CISM_FP32
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
 from cism._nn cimport add_into, grow_f, rmsnorm, rotate
@@ -53,6 +53,7 @@ MAX_SPEC_K = MAX_K
 DEF ROPE_TABLE_MAX = 32768
 # Conv channels per parallel work item: one cache line of floats per token row.
 DEF CONV_BLOCK = 16
+DEF QTILE = 4  # queries attended together (one 4 x 4 score tile)
 # Below about this many multiply-adds a parallel region costs more than it
 # saves (the figure cism.matrix uses); small loops run on the calling thread.
 DEF PARALLEL_MIN_WORK = 65536
@@ -371,7 +372,7 @@ cdef struct Work:
     float *gate     # (T, inter)
     float *up       # (T, inter)
     float *head_in  # (n_out, hidden) final-normed rows that need logits
-    float *scores   # (threads, score_cap) attention scores, one row per thread
+    float *scores   # (threads, QTILE * score_cap) scores of one query tile per thread
     float *rope     # (threads, head_dim) cos/sin beyond the table
     float *delta    # (threads, 2 * Dv) delta-rule read and update vectors
     size_t *out_rows
@@ -407,7 +408,7 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
     if S > w.score_cap or nt > w.threads_cap:
         w.score_cap = 0
         w.threads_cap = 0
-        if (grow_f(&w.scores, nt * S) or grow_f(&w.rope, nt * m.head_dim)
+        if (grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * m.head_dim)
                 or grow_f(&w.delta, nt * 2 * m.v_dim)):
             return -1
         w.score_cap = S
@@ -487,42 +488,72 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st
 
 
 cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
-                     size_t g, size_t h, size_t pos, float *sc) noexcept nogil:
-    """Causal attention of token g, head h over positions 0..pos of the slot,
-    then (xsa_projection) the removal of the output's component along the
-    token's own value vector of that KV head."""
-    cdef size_t hd = m.head_dim, span = pos + 1, tau, j
+                     size_t g0, size_t nq, size_t h, size_t p0, float *sc) noexcept nogil:
+    """Causal attention of head h for the nq tokens g0.. at positions
+    p0.. of the slot (one query tile), then (xsa_projection) the removal of
+    each output's component along its token's own value vector of that KV
+    head. Every query keeps the arithmetic of attending alone (see the dense
+    attend in cism/_dense.pyx): canonical dots through the fp32 gemm kernel,
+    the same softmax, the same fma chain over positions."""
+    cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
+    cdef size_t span = p0 + nq, tau, i, j, n
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef const float *q = w.q + g * m.q_width + h * hd
-    cdef float *out = w.att + g * m.q_width + h * hd
-    cdef const float *vv = w.v + g * m.kv_width + kvh * hd
     cdef float scale = 1.0 / sqrtf(<float>hd)
-    cdef float maximum, denom = 0, coef
-    cdef double av = 0, vv2 = 0
-    for tau in range(span):
-        sc[tau] = K.dot(q, k_row(st, m, slot, tau) + kvh * hd, hd) * scale
-    maximum = sc[0]
-    for tau in range(1, span):
-        if sc[tau] > maximum:
-            maximum = sc[tau]
-    for tau in range(span):
-        sc[tau] = sc[tau] - maximum
-    K.exp(sc, sc, span)
-    for tau in range(span):
-        denom = denom + sc[tau]
-    memset(out, 0, hd * sizeof(float))
-    for tau in range(span):
-        K.axpy(sc[tau] / denom, v_row(st, m, slot, tau) + kvh * hd, out, hd)
+    cdef float maximum, denom, coef
+    cdef double av, vv2
+    cdef float *row
+    cdef float *out
+    cdef const float *vv
+    cdef cism_mat keys
+    cdef cism_act act
+    memset(&act, 0, sizeof(cism_act))
+    act.x = w.q + g0 * QW + h * hd
+    act.ldx = QW
+    keys.storage = CISM_FP32
+    keys.rows = span
+    keys.cols = hd
+    keys.codes = k_row(st, m, slot, 0) + kvh * hd
+    keys.row_bytes = KW * sizeof(float)
+    keys.scale_offset = 0
+    keys.scales = NULL
+    K.gemm[CISM_FP32](&keys, 0, span, &act, nq, sc, span)
+    out = w.att + g0 * QW + h * hd
+    for i in range(nq):
+        row = sc + i * span
+        n = p0 + i + 1
+        for tau in range(n):
+            row[tau] = row[tau] * scale
+        maximum = row[0]
+        for tau in range(1, n):
+            if row[tau] > maximum:
+                maximum = row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] - maximum
+        K.exp(row, row, n)
+        denom = 0
+        for tau in range(n):
+            denom = denom + row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] / denom
+        memset(out + i * QW, 0, hd * sizeof(float))
+    K.axpy_tile(sc, span, nq, v_row(st, m, slot, 0) + kvh * hd, KW, p0 + 1, out, QW, hd)
+    for i in range(1, nq):
+        for tau in range(p0 + 1, p0 + i + 1):
+            K.axpy(sc[i * span + tau], v_row(st, m, slot, tau) + kvh * hd, out + i * QW, hd)
     if m.xsa_projection:
-        # a -= (a.v / max(v.v, 1e-4)) v, dot products in double (the spec's order)
-        for j in range(hd):
-            av += <double>out[j] * vv[j]
-            vv2 += <double>vv[j] * vv[j]
-        if vv2 < 1e-4:
-            vv2 = 1e-4
-        coef = <float>(av / vv2)
-        for j in range(hd):
-            out[j] -= coef * vv[j]
+        for i in range(nq):
+            # a -= (a.v / max(v.v, 1e-4)) v, dot products in double (the spec's order)
+            vv = w.v + (g0 + i) * KW + kvh * hd
+            av = 0
+            vv2 = 0
+            for j in range(hd):
+                av += <double>out[i * QW + j] * vv[j]
+                vv2 += <double>vv[j] * vv[j]
+            if vv2 < 1e-4:
+                vv2 = 1e-4
+            coef = <float>(av / vv2)
+            for j in range(hd):
+                out[i * QW + j] -= coef * vv[j]
 
 
 cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t blk,
@@ -660,6 +691,7 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
     cdef int nt = m.threads
     cdef int ntT = team(nt, T, T * D)
     cdef int ntH = team(nt, T * m.heads, T * m.heads * (pos0 + T) * m.head_dim)
+    cdef size_t ntiles = (T + QTILE - 1) // QTILE
     cdef int ntC = team(nt, nconv, T * (2 * KT + VT) * m.conv)
     cdef int ntG = team(nt, T, T * (2 * KT + VT) * 8)
     cdef int ntV = team(nt, m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
@@ -696,9 +728,12 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
             for g in prange(T, num_threads=ntT, schedule='static'):
                 xsa_qk_store(m, w, L, st, slot, g, pos0 + g, threadid())
             # causal GQA attention and the value projection, one (token, head) per item
-            for r in prange(T * m.heads, num_threads=ntH, schedule='static'):
-                xsa_attend(m, K, w, st, slot, r // m.heads, r % m.heads, pos0 + r // m.heads,
-                           w.scores + threadid() * w.score_cap)
+            # (query tiles of QTILE tokens; later tiles see more positions,
+            # hence the dynamic schedule)
+            for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
+                g = (r // m.heads) * QTILE
+                xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r % m.heads,
+                           pos0 + g, w.scores + threadid() * QTILE * w.score_cap)
             if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
         else:
