@@ -331,6 +331,34 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     }
     const __mmask16 lo_half = 0x00ff;
+#ifdef __AVX512VNNI__
+    if (VNNI) {
+        /* vpdpbusd multiplies unsigned by signed bytes: the weights go in as
+         * w + 128 (w ^ 0x80, in 1..255) and each sum starts from
+         * -128 * (the activations' group sum), so it ends at exactly
+         * sum(w * a), the same integers as the sign-transfer path below,
+         * with one instruction less per (row, token) */
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        for (size_t u = 0; u < units; u++) {
+            __m512i a[4], start[4];
+            __m512 sc[4];
+            for (int j = 0; j < TT; j++) {
+                a[j] = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
+                start[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, a[j]));
+                const float *as = A->qscale + (t + j) * A->ldqs + 2 * u;
+                sc[j] = _mm512_mask_blend_ps(lo_half, _mm512_set1_ps(as[1]), _mm512_set1_ps(as[0]));
+            }
+            for (int i = 0; i < R; i++) {
+                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rows[i] + 64 * u)), bias);
+                for (int j = 0; j < TT; j++) {
+                    const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[j], w, a[j]));
+                    acc[i][j] = _mm512_fmadd_ps(s, sc[j], acc[i][j]);
+                }
+            }
+        }
+    } else
+#endif
     for (size_t u = 0; u < units; u++) {
         __m512i aa[4];
         __mmask64 neg[4];
