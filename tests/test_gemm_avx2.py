@@ -109,9 +109,10 @@ def test_fp16_infinity_in_the_next_row_is_not_read_into_the_tail():
         W = np.ones((3, cols), np.float32)
         W[1] = 1e5
         W[1, ::2] = -1e5
-        X = np.random.default_rng(cols).standard_normal((4, cols)).astype(np.float32)
+        X = np.random.default_rng(cols).standard_normal((5, cols)).astype(np.float32)
         m = Matrix(W, "fp16")
-        want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 2, 3, 4)])
+        # T = 5 takes the prefill path (rows dequantized into a buffer)
+        want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 2, 3, 4, 5)])
         for w, g in zip(want, got):
             assert np.isfinite(g[:, 0]).all() and np.isfinite(g[:, 2]).all()
             assert np.array_equal(bits(g), bits(w))
@@ -129,9 +130,9 @@ def test_lanes_that_underflow_to_negative_zero_stay_negative_zero(storage, w, x)
     # the end must then add -0, not +0 (which would turn the -0 into +0).
     for cols in (17, 33, 47, 100):
         W = np.full((7, cols), w, np.float32)
-        X = np.full((3, cols), x, np.float32)
+        X = np.full((5, cols), x, np.float32)
         m = Matrix(W, storage)
-        want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 3)])
+        want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 3, 5)])
         for wv, g in zip(want, got):
             assert (bits(wv) == 0x80000000).all(), (storage, cols)  # the case is really -0
             assert np.array_equal(bits(g), bits(wv)), (storage, cols)
@@ -142,10 +143,10 @@ def test_int4_zero_code_keeps_the_sign_of_a_negative_scale():
     # 0.0f * scale = -0 in the reference. Elements 0-15 underflow every lane to
     # -0 first, so a +0 weight for elements 16-31 would flip the result.
     W = np.array([[1e-30] * 16 + [0] * 16] * 3, np.float32)
-    X = np.array([[-1e-20] * 16 + [1] * 16] * 4, np.float32)
+    X = np.array([[-1e-20] * 16 + [1] * 16] * 5, np.float32)
     m = Matrix(W, "int4")
     assert (m.scales < 0).all()
-    want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 2, 3, 4)])
+    want, got = both(lambda: [m.gemm(X[:T], threads=1) for T in (1, 2, 3, 4, 5)])
     for w, g in zip(want, got):
         assert (bits(w) == 0x80000000).all()
         assert np.array_equal(bits(g), bits(w))
