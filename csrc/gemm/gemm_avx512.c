@@ -8,9 +8,13 @@
  * range (rows j, j + L, ..., j + 7L for L = range / 8), not adjacent: rows
  * of a small int8 matrix are 576 bytes, so 8 adjacent rows sit in one or two
  * pages and the prefetchers see one stream; spread, they see 8. That took
- * SmolLM2 int8 decode from 67 to 87 tok/s and fp16 from 39 to 64. Multi-token calls run 4 rows x 4 tokens tiles, so each
- * dequantized weight vector feeds 4 FMAs from registers, over token chunks
- * small enough for the activations to stay in L2. */
+ * SmolLM2 int8 decode from 67 to 87 tok/s and fp16 from 39 to 64.
+ *
+ * Multi-token calls run 4 rows x 4 tokens tiles over token chunks small
+ * enough for the activations to stay in L2; each tile's 16 dots are reduced
+ * together (hsum_tile4). Packed rows (fp16, int8, int4, fp4) are first
+ * dequantized into an aligned stack buffer once per chunk (rows_deq), so the
+ * unpacking is shared by up to 64 tokens and the fp32 tile does the rest. */
 #include "../kernels.h"
 
 #include <immintrin.h>
@@ -33,7 +37,7 @@ ALWAYS_INLINE float hsum(__m512 v) {
  * element 4j + i of the result is hsum(acc[i][j]) (row i, token j), i.e.
  * block j holds token j's 4 rows. Each level adds the same pairs as hsum
  * (lanes i and i + 8, then i and i + 4 within each half, then i and i + 2,
- * then the last two), only 16 dots at a time: 12 additions and 28 shuffles
+ * then the last two), only 16 dots at a time: 15 additions and 30 shuffles
  * instead of 64 and 64. Missing tokens (TT < 4) read as zero and are not
  * stored by the caller. */
 ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int TT) {
