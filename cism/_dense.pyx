@@ -18,11 +18,11 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 
-from cism._kernels cimport cism_kernels, cism_mat, cism_act, kernel_table, CISM_FP32
+from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
-from cism._nn cimport add_into, grow_f, rmsnorm, rotate
+from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_scores, tile_softmax
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -522,47 +522,16 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     out = fma(weight, value, out) over positions in order (axpy_tile for the
     positions every query of the tile sees, plain axpy for the rest)."""
     cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
-    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, tau, run, i, n
+    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, tau, run, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef float scale = 1.0 / sqrtf(<float>hd)
-    cdef float maximum, denom
-    cdef float *row
+    cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
-    cdef cism_mat keys
-    cdef cism_act act
-    memset(&act, 0, sizeof(cism_act))
-    act.x = w.q + g0 * QW + h * hd
-    act.ldx = QW
-    keys.storage = CISM_FP32
-    keys.cols = hd
-    keys.row_bytes = KW * sizeof(float)
-    keys.scale_offset = 0
-    keys.scales = NULL
     tau = 0
     while tau < span:
         run = key_run(kv, tau, span)
-        keys.rows = run
-        keys.codes = k_row(kv, l, tau) + kvh * hd
-        K.gemm[CISM_FP32](&keys, 0, run, &act, nq, sc + tau, span)
+        tile_scores(K, q, QW, nq, k_row(kv, l, tau) + kvh * hd, KW, run, hd, sc + tau, span)
         tau += run
-    for i in range(nq):
-        row = sc + i * span
-        n = p0 + i + 1
-        for tau in range(n):
-            row[tau] = row[tau] * scale
-        maximum = row[0]
-        for tau in range(1, n):
-            if row[tau] > maximum:
-                maximum = row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] - maximum
-        K.exp(row, row, n)
-        denom = 0
-        for tau in range(n):
-            denom = denom + row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] / denom
-        memset(out + i * QW, 0, hd * sizeof(float))
+    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
     tau = 0
     while tau <= p0:
         run = key_run(kv, tau, p0 + 1)

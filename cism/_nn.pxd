@@ -3,6 +3,8 @@
 # every module computes them identically.
 from libc.math cimport sqrt
 from libc.stdlib cimport free
+from libc.string cimport memset
+from cism._kernels cimport cism_kernels, cism_mat, cism_act, CISM_FP32
 
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
@@ -44,3 +46,56 @@ cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, cons
             b = v[h * dim + j + half]
             v[h * dim + j] = a * c[j] - b * s[j]
             v[h * dim + j + half] = b * c[j] + a * s[j]
+
+
+# ---- attention by query tiles (cism/_dense.pyx and cism/_surjo.pyx) ----
+# nq queries at consecutive positions p0.. of one sequence; every query gets
+# exactly the arithmetic of attending alone (docs/EXACTNESS.md).
+
+cdef inline void tile_scores(const cism_kernels *K, const float *q, size_t ldq, size_t nq,
+                             const float *keys, size_t ldk, size_t nkeys, size_t hd,
+                             float *sc, size_t ldsc) noexcept nogil:
+    """sc[i * ldsc + j] = dot(query i, key j) for nkeys keys in consecutive
+    cache rows (stride ldk floats): canonical dots, through the fp32 gemm
+    kernel with the keys as the matrix and the queries as tokens."""
+    cdef cism_mat m
+    cdef cism_act a
+    memset(&a, 0, sizeof(cism_act))
+    a.x = q
+    a.ldx = ldq
+    m.storage = CISM_FP32
+    m.rows = nkeys
+    m.cols = hd
+    m.codes = keys
+    m.row_bytes = ldk * sizeof(float)
+    m.scale_offset = 0
+    m.scales = NULL
+    K.gemm[CISM_FP32](&m, 0, nkeys, &a, nq, sc, ldsc)
+
+
+cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
+                              float scale, float *out, size_t ldo, size_t hd) noexcept nogil:
+    """Row i of sc (positions 0..p0 + i) becomes the weights of query i:
+    times scale, minus the maximum, exp, each divided by the sum taken in
+    position order. Zeroes each query's output row (hd floats)."""
+    cdef size_t i, tau, n
+    cdef float maximum, denom
+    cdef float *row
+    for i in range(nq):
+        row = sc + i * ldsc
+        n = p0 + i + 1
+        for tau in range(n):
+            row[tau] = row[tau] * scale
+        maximum = row[0]
+        for tau in range(1, n):
+            if row[tau] > maximum:
+                maximum = row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] - maximum
+        K.exp(row, row, n)
+        denom = 0
+        for tau in range(n):
+            denom = denom + row[tau]
+        for tau in range(n):
+            row[tau] = row[tau] / denom
+        memset(out + i * ldo, 0, hd * sizeof(float))

@@ -26,10 +26,10 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 
-from cism._kernels cimport cism_kernels, cism_mat, cism_act, kernel_table, CISM_FP32
+from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
-from cism._nn cimport add_into, grow_f, rmsnorm, rotate
+from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_scores, tile_softmax
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -496,46 +496,15 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const Stat
     attend in cism/_dense.pyx): canonical dots through the fp32 gemm kernel,
     the same softmax, the same fma chain over positions."""
     cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
-    cdef size_t span = p0 + nq, tau, i, j, n
+    cdef size_t span = p0 + nq, tau, i, j
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef float scale = 1.0 / sqrtf(<float>hd)
-    cdef float maximum, denom, coef
+    cdef float coef
     cdef double av, vv2
-    cdef float *row
-    cdef float *out
     cdef const float *vv
-    cdef cism_mat keys
-    cdef cism_act act
-    memset(&act, 0, sizeof(cism_act))
-    act.x = w.q + g0 * QW + h * hd
-    act.ldx = QW
-    keys.storage = CISM_FP32
-    keys.rows = span
-    keys.cols = hd
-    keys.codes = k_row(st, m, slot, 0) + kvh * hd
-    keys.row_bytes = KW * sizeof(float)
-    keys.scale_offset = 0
-    keys.scales = NULL
-    K.gemm[CISM_FP32](&keys, 0, span, &act, nq, sc, span)
-    out = w.att + g0 * QW + h * hd
-    for i in range(nq):
-        row = sc + i * span
-        n = p0 + i + 1
-        for tau in range(n):
-            row[tau] = row[tau] * scale
-        maximum = row[0]
-        for tau in range(1, n):
-            if row[tau] > maximum:
-                maximum = row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] - maximum
-        K.exp(row, row, n)
-        denom = 0
-        for tau in range(n):
-            denom = denom + row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] / denom
-        memset(out + i * QW, 0, hd * sizeof(float))
+    cdef float *out = w.att + g0 * QW + h * hd
+    tile_scores(K, w.q + g0 * QW + h * hd, QW, nq, k_row(st, m, slot, 0) + kvh * hd, KW, span,
+                hd, sc, span)
+    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
     K.axpy_tile(sc, span, nq, v_row(st, m, slot, 0) + kvh * hd, KW, p0 + 1, out, QW, hd)
     for i in range(1, nq):
         for tau in range(p0 + 1, p0 + i + 1):

@@ -347,6 +347,8 @@ def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
             assert same_bits(_kernels.axpy_tile(P, V, O), want), (isa, nq, nk, n)
     with pytest.raises(ValueError, match="do not chain"):
         _kernels.axpy_tile(np.zeros((2, 3)), np.zeros((4, 5)), np.zeros((2, 5)))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        _kernels.axpy_tile(np.zeros(3), np.zeros((3, 5)), np.zeros((1, 5)))
 
 
 def test_quantized_activations_match_numpy_rule():
