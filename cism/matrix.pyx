@@ -122,7 +122,7 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     cdef size_t qblocks = qlen // 32
     cdef bint need16 = False, need8 = False
     cdef int i, th
-    cdef size_t t, c, total = 0, work = 0
+    cdef size_t t, total = 0, work = 0
     cdef size_t starts[9]
     cdef cism_act a32, a16, a8
     if count < 1 or count > 8:
@@ -172,17 +172,14 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         a8.ldq = qlen
         a8.ldqs = qblocks
     if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
-        if T == 1:
-            # Decode: each thread takes one contiguous share of the chunks, so
-            # the kernel gets each matrix's part of it in one call and can
-            # spread its row streams over the whole share (streams far apart
-            # are what reach the memory bandwidth; see gemm_avx512.c).
-            for th in prange(threads, schedule='static', num_threads=threads):
-                gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
-                            total * (th + 1) // threads, act_q8, &a32, &a16, &a8, T)
-        else:
-            for c in prange(total, schedule='static', num_threads=threads):
-                gemm_chunks(k, W, Y, ldy, count, starts, c, c + 1, act_q8, &a32, &a16, &a8, T)
+        # Each thread takes one contiguous share of the chunks, so the kernel
+        # gets each matrix's part of it in one call: decode can spread its
+        # row streams over the whole share (streams far apart are what reach
+        # the memory bandwidth), and prefill runs whole 6-row tiles with at
+        # most one short tile per matrix (see gemm_avx512.c).
+        for th in prange(threads, schedule='static', num_threads=threads):
+            gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
+                        total * (th + 1) // threads, act_q8, &a32, &a16, &a8, T)
     else:
         gemm_chunks(k, W, Y, ldy, count, starts, 0, total, act_q8, &a32, &a16, &a8, T)
     return 0

@@ -10,11 +10,13 @@
  * pages and the prefetchers see one stream; spread, they see 8. That took
  * SmolLM2 int8 decode from 67 to 87 tok/s and fp16 from 39 to 64.
  *
- * Multi-token calls run 4 rows x 4 tokens tiles over token chunks small
- * enough for the activations to stay in L2; each tile's 16 dots are reduced
- * together (hsum_tile4). Packed rows (fp16, int8, int4, fp4) are first
- * dequantized into an aligned stack buffer once per chunk (rows_deq), so the
- * unpacking is shared by up to 64 tokens and the fp32 tile does the rest. */
+ * Multi-token calls run 6 rows x 4 tokens tiles (4 x 4 for rows shorter
+ * than 256 or longer than 1024 elements, see TILE6_MAX_COLS) over token
+ * chunks small enough for the activations to stay in L2; each group of 4
+ * rows reduces its dots together (hsum_tile4). Packed rows (fp16, int8,
+ * int4, fp4) are first dequantized into an aligned stack buffer once per
+ * chunk (rows_deq), so the unpacking is shared by up to 64 tokens and the
+ * fp32 tile does the rest. */
 #include "../kernels.h"
 
 #include <immintrin.h>
@@ -33,17 +35,17 @@ ALWAYS_INLINE float hsum(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-/* The canonical reductions of a 4 x 4 tile of dot accumulators at once:
+/* The canonical reductions of up to 4 x 4 dot accumulators at once:
  * element 4j + i of the result is hsum(acc[i][j]) (row i, token j), i.e.
  * block j holds token j's 4 rows. Each level adds the same pairs as hsum
  * (lanes i and i + 8, then i and i + 4 within each half, then i and i + 2,
  * then the last two), only 16 dots at a time: 15 additions and 30 shuffles
- * instead of 64 and 64. Missing tokens (TT < 4) read as zero and are not
- * stored by the caller. */
-ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int TT) {
+ * instead of 64 and 64. Missing rows (R < 4) and tokens (TT < 4) read as
+ * zero and are not stored by the caller. */
+ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int R, const int TT) {
     __m512 a[16], b[8], c[4], d[2];
     for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) a[4 * i + j] = j < TT ? acc[i][j] : _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) a[4 * i + j] = i < R && j < TT ? acc[i][j] : _mm512_setzero_ps();
     /* b[m] = [s8(a[2m]) | s8(a[2m + 1])] */
     for (int m = 0; m < 8; m++)
         b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
@@ -60,17 +62,27 @@ ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int TT) {
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
 }
 
-/* Store a 4-row tile's dots (rows r..r+3 adjacent) for TT tokens, times
+/* Store the dots of up to 4 adjacent rows (r..r+R-1) for TT tokens, times
  * the int8 row scales when `scales` is given (the same product as the
  * one-dot path). */
-ALWAYS_INLINE void store_tile4(const __m512 acc[8][4], const int TT, const float *scales, size_t r,
-                               float *Y, size_t ldy) {
-    __m512 v = hsum_tile4(acc, TT);
-    if (scales) v = _mm512_mul_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(scales + r)));
-    _mm_storeu_ps(Y + r, _mm512_castps512_ps128(v));
-    if (TT > 1) _mm_storeu_ps(Y + ldy + r, _mm512_extractf32x4_ps(v, 1));
-    if (TT > 2) _mm_storeu_ps(Y + 2 * ldy + r, _mm512_extractf32x4_ps(v, 2));
-    if (TT > 3) _mm_storeu_ps(Y + 3 * ldy + r, _mm512_extractf32x4_ps(v, 3));
+ALWAYS_INLINE void store_tile4(const __m512 acc[8][4], const int R, const int TT, const float *scales,
+                               size_t r, float *Y, size_t ldy) {
+    const __mmask8 m = (__mmask8)((1u << R) - 1);
+    __m512 v = hsum_tile4(acc, R, TT);
+    if (scales) v = _mm512_mul_ps(v, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(m, scales + r)));
+    _mm_mask_storeu_ps(Y + r, m, _mm512_castps512_ps128(v));
+    if (TT > 1) _mm_mask_storeu_ps(Y + ldy + r, m, _mm512_extractf32x4_ps(v, 1));
+    if (TT > 2) _mm_mask_storeu_ps(Y + 2 * ldy + r, m, _mm512_extractf32x4_ps(v, 2));
+    if (TT > 3) _mm_mask_storeu_ps(Y + 3 * ldy + r, m, _mm512_extractf32x4_ps(v, 3));
+}
+
+/* Store an R-row tile (rows r..r+R-1 adjacent), 4 rows at a time. (No
+ * loop: with R a constant each call is resolved at compile time and the
+ * accumulators stay in registers.) */
+ALWAYS_INLINE void store_tile(const __m512 acc[8][4], const int R, const int TT, const float *scales,
+                              size_t r, float *Y, size_t ldy) {
+    store_tile4(acc, R < 4 ? R : 4, TT, scales, r, Y, ldy);
+    if (R > 4) store_tile4(acc + 4, R - 4, TT, scales, r + 4, Y, ldy);
 }
 
 /* ---- fp32 activations: weights dequantized 16 elements at a time ---- */
@@ -204,8 +216,8 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
     /* int8 rows: the row scale after the dot; fp32 rows carry scales only
      * when they are int8 codes dequantized by rows_deq */
     const float *scales = S == CISM_INT8 || S == CISM_FP32 ? W->scales : NULL;
-    if (R == 4 && rs == 1) {
-        store_tile4(acc, TT, scales, r, Y, ldy);
+    if (rs == 1 && R > 1) {
+        store_tile(acc, R, TT, scales, r, Y, ldy);
         return;
     }
     for (int i = 0; i < R; i++) {
@@ -217,10 +229,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
     }
 }
 
-ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t r, const float *X,
-                            size_t ldx, size_t T, float *Y, size_t ldy) {
+ALWAYS_INLINE void rows_f32(const int S, const int R, const int TM, const cism_mat *W, size_t r,
+                            const float *X, size_t ldx, size_t T, float *Y, size_t ldy) {
     size_t t = 0;
-    for (; t + 4 <= T; t += 4) tile_f32(S, R, 4, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
+    for (; t + TM <= T; t += TM) tile_f32(S, R, TM, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
     switch (T - t) {
     case 3: tile_f32(S, R, 3, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
     case 2: tile_f32(S, R, 2, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
@@ -229,12 +241,12 @@ ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t 
     }
 }
 
-/* Rows r..r+3 as floats, exactly the weights the tiles multiply (int8:
+/* Rows r..r+R-1 as floats, exactly the weights the tiles multiply (int8:
  * the codes, the row scale comes after the dot). Elements past the end
  * are not written: the fp32 tile reads them masked. */
-ALWAYS_INLINE void dequant_rows4(const int S, const cism_mat *W, size_t r, float *out) {
+ALWAYS_INLINE void dequant_rows(const int S, const int R, const cism_mat *W, size_t r, float *out) {
     const size_t n = W->cols, so = W->scale_offset;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < R; i++) {
         const row_ptr p = row_at(S, W, r + i);
         float *o = out + i * n;
         if (S == CISM_INT4) {
@@ -257,24 +269,52 @@ ALWAYS_INLINE void dequant_rows4(const int S, const cism_mat *W, size_t r, float
     }
 }
 
-/* Prefill rows of a packed (not fp32) matrix: 4 rows are dequantized once
- * per token chunk into a stack buffer and the fp32 tile runs over it, so
- * the unpacking is shared by up to TOKEN_CHUNK tokens instead of 4. The
- * floats are the very weights the direct tile would use, so every dot is
- * unchanged. Rows longer than DEQ_MAX_COLS take the direct tile. */
+/* The prefill tile is 6 rows x 4 tokens: 24 accumulators + 4 token vectors
+ * + 1 weight vector of the 32 zmm registers. Each step loads 4 token
+ * vectors (the chunk's activations, streamed from L2) and 6 weight vectors
+ * (rows that stay in L1 for all the chunk's tokens) for 24 fmas: 10.7 bytes
+ * from L2 per fma against 16 for a 4 x 4 tile. It needs the 6 rows and the
+ * 4 token rows passing by to fit L1 (48 KiB here), so rows wider than
+ * TILE6_MAX_COLS keep the 4 x 4 tile; so do short rows (attention keys,
+ * 64-128 wide), where the reductions weigh as much as the fmas. */
+#define TILE6_MIN_COLS 256
+#define TILE6_MAX_COLS 1024
+
+/* Prefill rows r..r+R-1 of a packed (not fp32) matrix: they are
+ * dequantized once per token chunk into a stack buffer and the fp32 tile
+ * runs over it, so the unpacking is shared by up to TOKEN_CHUNK tokens.
+ * The floats are the very weights the direct tile would use, so every dot
+ * is unchanged. Rows longer than DEQ_MAX_COLS take the direct tile. */
 #define DEQ_MAX_COLS 4096
-ALWAYS_INLINE void rows_deq(const int S, const cism_mat *W, size_t r, const float *X, size_t ldx,
-                            size_t T, float *Y, size_t ldy) {
-    float buf[4 * DEQ_MAX_COLS] __attribute__((aligned(64)));
-    dequant_rows4(S, W, r, buf);
-    const cism_mat F = {CISM_FP32, 4, W->cols, buf, W->cols * sizeof(float), 0,
+ALWAYS_INLINE void rows_deq(const int S, const int R, const cism_mat *W, size_t r, const float *X,
+                            size_t ldx, size_t T, float *Y, size_t ldy) {
+    float buf[6 * DEQ_MAX_COLS] __attribute__((aligned(64)));
+    dequant_rows(S, R, W, r, buf);
+    const cism_mat F = {CISM_FP32, (size_t)R, W->cols, buf, W->cols * sizeof(float), 0,
                         S == CISM_INT8 ? W->scales + r : NULL};
-    size_t t = 0;
-    for (; t + 4 <= T; t += 4) tile_f32(CISM_FP32, 4, 4, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy);
-    switch (T - t) {
-    case 3: tile_f32(CISM_FP32, 4, 3, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
-    case 2: tile_f32(CISM_FP32, 4, 2, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
-    case 1: tile_f32(CISM_FP32, 4, 1, &F, 0, 1, X + t * ldx, ldx, Y + t * ldy + r, ldy); break;
+    rows_f32(CISM_FP32, R, 4, &F, 0, X, ldx, T, Y + r, ldy);
+}
+
+/* Rows r..r+R-1 (R <= 6) for tn tokens: through the buffer (DEQ) or
+ * directly. */
+ALWAYS_INLINE void rows_tiled(const int S, const int DEQ, const int R, const cism_mat *W, size_t r,
+                              const float *X, size_t ldx, size_t tn, float *Y, size_t ldy) {
+    if (DEQ) rows_deq(S, R, W, r, X, ldx, tn, Y, ldy);
+    else rows_f32(S, R, 4, W, r, X, ldx, tn, Y, ldy);
+}
+
+/* Rows r0..r1: 6-row tiles (when SIX), then 4-row tiles, then one tile of
+ * the last 1-3 rows. */
+ALWAYS_INLINE void rows_range(const int S, const int DEQ, const int SIX, const cism_mat *W, size_t r0,
+                              size_t r1, const float *X, size_t ldx, size_t tn, float *Y, size_t ldy) {
+    size_t r = r0;
+    if (SIX)
+        for (; r + 6 <= r1; r += 6) rows_tiled(S, DEQ, 6, W, r, X, ldx, tn, Y, ldy);
+    for (; r + 4 <= r1; r += 4) rows_tiled(S, DEQ, 4, W, r, X, ldx, tn, Y, ldy);
+    switch (r1 - r) {
+    case 3: rows_tiled(S, DEQ, 3, W, r, X, ldx, tn, Y, ldy); break;
+    case 2: rows_tiled(S, DEQ, 2, W, r, X, ldx, tn, Y, ldy); break;
+    case 1: rows_tiled(S, DEQ, 1, W, r, X, ldx, tn, Y, ldy); break;
     default: break;
     }
 }
@@ -289,15 +329,22 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
         return;
     }
+    const int six = W->cols >= TILE6_MIN_COLS && W->cols <= TILE6_MAX_COLS;
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
         const float *X = A->x + t0 * A->ldx;
         float *Yc = Y + t0 * ldy;
-        size_t r = r0;
-        if (S != CISM_FP32 && tn > 4 && W->cols <= DEQ_MAX_COLS)
-            for (; r + 4 <= r1; r += 4) rows_deq(S, W, r, X, A->ldx, tn, Yc, ldy);
-        for (; r + 4 <= r1; r += 4) rows_f32(S, 4, W, r, X, A->ldx, tn, Yc, ldy);
-        for (; r < r1; r++) rows_f32(S, 1, W, r, X, A->ldx, tn, Yc, ldy);
+        if (S == CISM_FP32) {
+            if (six) rows_range(S, 0, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy);
+            else rows_range(S, 0, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy);
+        } else if (tn > 4 && W->cols <= DEQ_MAX_COLS) {
+            if (six) rows_range(S, 1, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy);
+            else rows_range(S, 1, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy);
+        } else { /* few tokens or very long rows: packed rows read directly */
+            size_t r = r0;
+            for (; r + 4 <= r1; r += 4) rows_f32(S, 4, 4, W, r, X, A->ldx, tn, Yc, ldy);
+            for (; r < r1; r++) rows_f32(S, 1, 4, W, r, X, A->ldx, tn, Yc, ldy);
+        }
     }
 }
 
@@ -384,7 +431,7 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
         }
     }
     if (R == 4 && rs == 1) {
-        store_tile4(acc, TT, W->scales, r, Y + t * ldy, ldy);
+        store_tile4(acc, 4, TT, W->scales, r, Y + t * ldy, ldy);
         return;
     }
     for (int i = 0; i < R; i++)
@@ -426,7 +473,7 @@ ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size
         }
     }
     if (R == 4 && rs == 1) {
-        store_tile4(acc, TT, NULL, r, Y + t * ldy, ldy);
+        store_tile4(acc, 4, TT, NULL, r, Y + t * ldy, ldy);
         return;
     }
     for (int i = 0; i < R; i++)
@@ -475,7 +522,7 @@ ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size
         }
     }
     if (R == 4 && rs == 1) {
-        store_tile4(acc, TT, NULL, r, Y + t * ldy, ldy);
+        store_tile4(acc, 4, TT, NULL, r, Y + t * ldy, ldy);
         return;
     }
     for (int i = 0; i < R; i++)
