@@ -208,10 +208,13 @@ def test_every_isa_matches_reference_bitwise(storage, isa_level):
     r = rng(3)
     # T > 4 runs the prefill path (rows dequantized once per token chunk);
     # 4100 columns is past its buffer (DEQ_MAX_COLS), so the direct tiles.
-    # 256..1024 columns take 6-row tiles (AVX-512): 14, 13 and 33 rows end
-    # in a 2-, 1- and 3-row tile; 1025 columns are back on 4 x 4 tiles.
+    # From 256 columns on, AVX-512 takes 6-row tiles: 14, 13 and 33 rows end
+    # in a 2-, 1- and 3-row tile; past 1024 columns they go by in column
+    # blocks with the accumulators kept in memory between blocks (1025: a
+    # 1-element tail; 1040: a last block of one chunk; 67 tokens: two chunks).
     for rows, cols, T in [(1, 1, 1), (13, 15, 1), (9, 33, 3), (40, 97, 5), (33, 256, 9), (8, 48, 70),
-                          (7, 49, 6), (6, 4100, 6), (14, 300, 7), (13, 1024, 67), (11, 1025, 5)]:
+                          (7, 49, 6), (6, 4100, 6), (14, 300, 7), (13, 1024, 67), (11, 1025, 5),
+                          (7, 1040, 67)]:
         W = special_matrix(rows, cols, seed=cols).astype(np.float32)
         X = r.standard_normal((T, cols)).astype(np.float32)
         m = Matrix(W, storage)

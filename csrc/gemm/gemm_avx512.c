@@ -11,8 +11,9 @@
  * SmolLM2 int8 decode from 67 to 87 tok/s and fp16 from 39 to 64.
  *
  * Multi-token calls run 6 rows x 4 tokens tiles (4 x 4 for rows shorter
- * than 256 or longer than 1024 elements, see TILE6_MAX_COLS) over token
- * chunks small enough for the activations to stay in L2; each group of 4
+ * than 256 elements; rows longer than 1024 go by in column blocks, see
+ * rows6_kblocked) over token chunks small enough for the activations to
+ * stay in L2; each group of 4
  * rows reduces its dots together (hsum_tile4). Packed rows (fp16, int8,
  * int4, fp4) are first dequantized into an aligned stack buffer once per
  * chunk (rows_deq), so the unpacking is shared by up to 64 tokens and the
@@ -275,10 +276,72 @@ ALWAYS_INLINE void dequant_rows(const int S, const int R, const cism_mat *W, siz
  * (rows that stay in L1 for all the chunk's tokens) for 24 fmas: 10.7 bytes
  * from L2 per fma against 16 for a 4 x 4 tile. It needs the 6 rows and the
  * 4 token rows passing by to fit L1 (48 KiB here), so rows wider than
- * TILE6_MAX_COLS keep the 4 x 4 tile; so do short rows (attention keys,
- * 64-128 wide), where the reductions weigh as much as the fmas. */
+ * TILE6_MAX_COLS go by in column blocks (rows6_kblocked). Short rows
+ * (attention keys, 64-128 wide) keep the 4 x 4 tile: there the
+ * reductions weigh as much as the fmas. */
 #define TILE6_MIN_COLS 256
 #define TILE6_MAX_COLS 1024
+
+/* 6 x 4 tiles over rows wider than TILE6_MAX_COLS: the columns go by in
+ * blocks of KB_CHUNKS x 16, and between blocks each tile keeps its 24
+ * accumulators in memory (a zmm stored and reloaded is the same 16 floats,
+ * so every lane's fma chain is unchanged), so the 6 rows' block stays in L1
+ * for all the chunk's tokens. */
+#define KB_CHUNKS 32
+ALWAYS_INLINE void tile6_part(const int TT, const float *w, size_t ldw, const float *X, size_t ldx,
+                              size_t c0, size_t c1, __mmask16 tail, __m512 *keep, const int first,
+                              const int last, const float *scales, size_t r, float *Y, size_t ldy) {
+    __m512 acc[8][4];
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = first ? _mm512_setzero_ps() : keep[4 * i + j];
+    for (size_t c = c0; c < c1; c++) {
+        __m512 x[4];
+        for (int j = 0; j < TT; j++) x[j] = _mm512_loadu_ps(X + j * ldx + 16 * c);
+        for (int i = 0; i < 6; i++) {
+            const __m512 wv = _mm512_loadu_ps(w + i * ldw + 16 * c);
+            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_fmadd_ps(wv, x[j], acc[i][j]);
+        }
+    }
+    if (tail) { /* lanes past the end must stay untouched: a lane may hold -0 */
+        __m512 x[4];
+        for (int j = 0; j < TT; j++) x[j] = _mm512_maskz_loadu_ps(tail, X + j * ldx + 16 * c1);
+        for (int i = 0; i < 6; i++) {
+            const __m512 wv = _mm512_maskz_loadu_ps(tail, w + i * ldw + 16 * c1);
+            for (int j = 0; j < TT; j++) acc[i][j] = _mm512_mask3_fmadd_ps(wv, x[j], acc[i][j], tail);
+        }
+    }
+    if (last) {
+        store_tile(acc, 6, TT, scales, r, Y, ldy);
+        return;
+    }
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < TT; j++) keep[4 * i + j] = acc[i][j];
+}
+
+/* Rows r..r+5 of an fp32 matrix (or the dequantized buffer) for T <=
+ * TOKEN_CHUNK tokens. */
+static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t ldx, size_t T,
+                           float *Y, size_t ldy) {
+    __m512 keep[TOKEN_CHUNK / 4][24];
+    const size_t n = W->cols, full = n / 16, rem = n % 16, ldw = W->row_bytes / sizeof(float);
+    const float *w = (const float *)W->codes + r * ldw;
+    const size_t blocks = full / KB_CHUNKS + (full % KB_CHUNKS || (rem && !full) ? 1 : 0);
+    for (size_t b = 0; b < blocks; b++) {
+        const size_t c0 = b * KB_CHUNKS, c1 = c0 + KB_CHUNKS < full ? c0 + KB_CHUNKS : full;
+        const int first = b == 0, last = b + 1 == blocks;
+        const __mmask16 tail = last && rem ? (__mmask16)((1u << rem) - 1) : 0;
+        size_t t = 0, k = 0;
+        for (; t + 4 <= T; t += 4, k++)
+            tile6_part(4, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r,
+                       Y + t * ldy, ldy);
+        switch (T - t) {
+        case 3: tile6_part(3, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r, Y + t * ldy, ldy); break;
+        case 2: tile6_part(2, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r, Y + t * ldy, ldy); break;
+        case 1: tile6_part(1, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r, Y + t * ldy, ldy); break;
+        default: break;
+        }
+    }
+}
 
 /* Prefill rows r..r+R-1 of a packed (not fp32) matrix: they are
  * dequantized once per token chunk into a stack buffer and the fp32 tile
@@ -292,7 +355,8 @@ ALWAYS_INLINE void rows_deq(const int S, const int R, const cism_mat *W, size_t 
     dequant_rows(S, R, W, r, buf);
     const cism_mat F = {CISM_FP32, (size_t)R, W->cols, buf, W->cols * sizeof(float), 0,
                         S == CISM_INT8 ? W->scales + r : NULL};
-    rows_f32(CISM_FP32, R, 4, &F, 0, X, ldx, T, Y + r, ldy);
+    if (R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(&F, 0, X, ldx, T, Y + r, ldy);
+    else rows_f32(CISM_FP32, R, 4, &F, 0, X, ldx, T, Y + r, ldy);
 }
 
 /* Rows r..r+R-1 (R <= 6) for tn tokens: through the buffer (DEQ) or
@@ -300,6 +364,7 @@ ALWAYS_INLINE void rows_deq(const int S, const int R, const cism_mat *W, size_t 
 ALWAYS_INLINE void rows_tiled(const int S, const int DEQ, const int R, const cism_mat *W, size_t r,
                               const float *X, size_t ldx, size_t tn, float *Y, size_t ldy) {
     if (DEQ) rows_deq(S, R, W, r, X, ldx, tn, Y, ldy);
+    else if (S == CISM_FP32 && R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(W, r, X, ldx, tn, Y, ldy);
     else rows_f32(S, R, 4, W, r, X, ldx, tn, Y, ldy);
 }
 
@@ -329,7 +394,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
         return;
     }
-    const int six = W->cols >= TILE6_MIN_COLS && W->cols <= TILE6_MAX_COLS;
+    const int six = W->cols >= TILE6_MIN_COLS;
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
         const float *X = A->x + t0 * A->ldx;
