@@ -15,12 +15,13 @@
  * rows6_kblocked) over token chunks small enough for the activations to
  * stay in L2; each group of 4
  * rows reduces its dots together (hsum_tile4). Packed rows (fp16, int8,
- * int4, fp4) are first dequantized into an aligned stack buffer once per
+ * int4, fp4) are first dequantized into an aligned heap buffer once per
  * chunk (rows_deq), so the unpacking is shared by up to 64 tokens and the
  * fp32 tile does the rest. */
 #include "../kernels.h"
 
 #include <immintrin.h>
+#include <stdlib.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TOKEN_CHUNK 64
@@ -43,7 +44,7 @@ ALWAYS_INLINE float hsum(__m512 v) {
  * then the last two), only 16 dots at a time: 15 additions and 30 shuffles
  * instead of 64 and 64. Missing rows (R < 4) and tokens (TT < 4) read as
  * zero and are not stored by the caller. */
-ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int R, const int TT) {
+ALWAYS_INLINE __m512 hsum_tile4(const __m512 (*acc)[4], const int R, const int TT) {
     __m512 a[16], b[8], c[4], d[2];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) a[4 * i + j] = i < R && j < TT ? acc[i][j] : _mm512_setzero_ps();
@@ -66,7 +67,7 @@ ALWAYS_INLINE __m512 hsum_tile4(const __m512 acc[8][4], const int R, const int T
 /* Store the dots of up to 4 adjacent rows (r..r+R-1) for TT tokens, times
  * the int8 row scales when `scales` is given (the same product as the
  * one-dot path). */
-ALWAYS_INLINE void store_tile4(const __m512 acc[8][4], const int R, const int TT, const float *scales,
+ALWAYS_INLINE void store_tile4(const __m512 (*acc)[4], const int R, const int TT, const float *scales,
                                size_t r, float *Y, size_t ldy) {
     const __mmask8 m = (__mmask8)((1u << R) - 1);
     __m512 v = hsum_tile4(acc, R, TT);
@@ -318,11 +319,18 @@ ALWAYS_INLINE void tile6_part(const int TT, const float *w, size_t ldw, const fl
         for (int j = 0; j < TT; j++) keep[4 * i + j] = acc[i][j];
 }
 
+/* Heap scratch of one multi-token call: rows dequantized for the tile and
+ * the column-blocked tiles' accumulators (up to 120 KiB, too much for the
+ * stack of a small thread, e.g. musl's 128 KiB default). */
+typedef struct {
+    float *rows;         /* 6 x cols floats, 64-byte aligned */
+    __m512 (*keep)[24];  /* TOKEN_CHUNK / 4 tiles x 24 accumulators */
+} tile_scratch;
+
 /* Rows r..r+5 of an fp32 matrix (or the dequantized buffer) for T <=
  * TOKEN_CHUNK tokens. */
 static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t ldx, size_t T,
-                           float *Y, size_t ldy) {
-    __m512 keep[TOKEN_CHUNK / 4][24];
+                           float *Y, size_t ldy, __m512 (*keep)[24]) {
     const size_t n = W->cols, full = n / 16, rem = n % 16, ldw = W->row_bytes / sizeof(float);
     const float *w = (const float *)W->codes + r * ldw;
     const size_t blocks = full / KB_CHUNKS + (full % KB_CHUNKS || (rem && !full) ? 1 : 0);
@@ -344,42 +352,44 @@ static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t l
 }
 
 /* Prefill rows r..r+R-1 of a packed (not fp32) matrix: they are
- * dequantized once per token chunk into a stack buffer and the fp32 tile
+ * dequantized once per token chunk into the scratch rows and the fp32 tile
  * runs over it, so the unpacking is shared by up to TOKEN_CHUNK tokens.
  * The floats are the very weights the direct tile would use, so every dot
  * is unchanged. Rows longer than DEQ_MAX_COLS take the direct tile. */
 #define DEQ_MAX_COLS 4096
 ALWAYS_INLINE void rows_deq(const int S, const int R, const cism_mat *W, size_t r, const float *X,
-                            size_t ldx, size_t T, float *Y, size_t ldy) {
-    float buf[6 * DEQ_MAX_COLS] __attribute__((aligned(64)));
-    dequant_rows(S, R, W, r, buf);
-    const cism_mat F = {CISM_FP32, (size_t)R, W->cols, buf, W->cols * sizeof(float), 0,
+                            size_t ldx, size_t T, float *Y, size_t ldy, const tile_scratch *sc) {
+    dequant_rows(S, R, W, r, sc->rows);
+    const cism_mat F = {CISM_FP32, (size_t)R, W->cols, sc->rows, W->cols * sizeof(float), 0,
                         S == CISM_INT8 ? W->scales + r : NULL};
-    if (R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(&F, 0, X, ldx, T, Y + r, ldy);
+    if (R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(&F, 0, X, ldx, T, Y + r, ldy, sc->keep);
     else rows_f32(CISM_FP32, R, 4, &F, 0, X, ldx, T, Y + r, ldy);
 }
 
 /* Rows r..r+R-1 (R <= 6) for tn tokens: through the buffer (DEQ) or
  * directly. */
 ALWAYS_INLINE void rows_tiled(const int S, const int DEQ, const int R, const cism_mat *W, size_t r,
-                              const float *X, size_t ldx, size_t tn, float *Y, size_t ldy) {
-    if (DEQ) rows_deq(S, R, W, r, X, ldx, tn, Y, ldy);
-    else if (S == CISM_FP32 && R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(W, r, X, ldx, tn, Y, ldy);
+                              const float *X, size_t ldx, size_t tn, float *Y, size_t ldy,
+                              const tile_scratch *sc) {
+    if (DEQ) rows_deq(S, R, W, r, X, ldx, tn, Y, ldy, sc);
+    else if (S == CISM_FP32 && R == 6 && W->cols > TILE6_MAX_COLS)
+        rows6_kblocked(W, r, X, ldx, tn, Y, ldy, sc->keep);
     else rows_f32(S, R, 4, W, r, X, ldx, tn, Y, ldy);
 }
 
 /* Rows r0..r1: 6-row tiles (when SIX), then 4-row tiles, then one tile of
  * the last 1-3 rows. */
 ALWAYS_INLINE void rows_range(const int S, const int DEQ, const int SIX, const cism_mat *W, size_t r0,
-                              size_t r1, const float *X, size_t ldx, size_t tn, float *Y, size_t ldy) {
+                              size_t r1, const float *X, size_t ldx, size_t tn, float *Y, size_t ldy,
+                              const tile_scratch *sc) {
     size_t r = r0;
     if (SIX)
-        for (; r + 6 <= r1; r += 6) rows_tiled(S, DEQ, 6, W, r, X, ldx, tn, Y, ldy);
-    for (; r + 4 <= r1; r += 4) rows_tiled(S, DEQ, 4, W, r, X, ldx, tn, Y, ldy);
+        for (; r + 6 <= r1; r += 6) rows_tiled(S, DEQ, 6, W, r, X, ldx, tn, Y, ldy, sc);
+    for (; r + 4 <= r1; r += 4) rows_tiled(S, DEQ, 4, W, r, X, ldx, tn, Y, ldy, sc);
     switch (r1 - r) {
-    case 3: rows_tiled(S, DEQ, 3, W, r, X, ldx, tn, Y, ldy); break;
-    case 2: rows_tiled(S, DEQ, 2, W, r, X, ldx, tn, Y, ldy); break;
-    case 1: rows_tiled(S, DEQ, 1, W, r, X, ldx, tn, Y, ldy); break;
+    case 3: rows_tiled(S, DEQ, 3, W, r, X, ldx, tn, Y, ldy, sc); break;
+    case 2: rows_tiled(S, DEQ, 2, W, r, X, ldx, tn, Y, ldy, sc); break;
+    case 1: rows_tiled(S, DEQ, 1, W, r, X, ldx, tn, Y, ldy, sc); break;
     default: break;
     }
 }
@@ -394,23 +404,39 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
         return;
     }
-    const int six = W->cols >= TILE6_MIN_COLS;
+    /* scratch for the dequantized rows (packed rows, more than 4 tokens)
+     * and for column-blocked tiles (rows past TILE6_MAX_COLS); if it cannot
+     * be had, the direct tiles do the work (4 x 4 past TILE6_MAX_COLS) */
+    const int deq = S != CISM_FP32 && T > 4 && W->cols <= DEQ_MAX_COLS;
+    const int kb = W->cols >= TILE6_MIN_COLS && W->cols > TILE6_MAX_COLS;
+    tile_scratch sc = {NULL, NULL};
+    void *mem = NULL;
+    if (deq || kb) {
+        const size_t rows_bytes = deq ? cism_div_up(6 * W->cols * sizeof(float), 64) * 64 : 0;
+        mem = aligned_alloc(64, rows_bytes + (kb ? sizeof(__m512) * 24 * (TOKEN_CHUNK / 4) : 0));
+        if (mem) {
+            sc.rows = deq ? (float *)mem : NULL;
+            sc.keep = kb ? (__m512(*)[24])((char *)mem + rows_bytes) : NULL;
+        }
+    }
+    const int six = W->cols >= TILE6_MIN_COLS && (W->cols <= TILE6_MAX_COLS || sc.keep);
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
         const float *X = A->x + t0 * A->ldx;
         float *Yc = Y + t0 * ldy;
         if (S == CISM_FP32) {
-            if (six) rows_range(S, 0, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy);
-            else rows_range(S, 0, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy);
-        } else if (tn > 4 && W->cols <= DEQ_MAX_COLS) {
-            if (six) rows_range(S, 1, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy);
-            else rows_range(S, 1, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy);
-        } else { /* few tokens or very long rows: packed rows read directly */
+            if (six) rows_range(S, 0, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy, &sc);
+            else rows_range(S, 0, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy, &sc);
+        } else if (tn > 4 && sc.rows) {
+            if (six) rows_range(S, 1, 1, W, r0, r1, X, A->ldx, tn, Yc, ldy, &sc);
+            else rows_range(S, 1, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy, &sc);
+        } else { /* few tokens, very long rows or no scratch: packed rows read directly */
             size_t r = r0;
             for (; r + 4 <= r1; r += 4) rows_f32(S, 4, 4, W, r, X, A->ldx, tn, Yc, ldy);
             for (; r < r1; r++) rows_f32(S, 1, 4, W, r, X, A->ldx, tn, Yc, ldy);
         }
     }
+    free(mem);
 }
 
 #define GEMM_F32(NAME, S)                                                                        \
