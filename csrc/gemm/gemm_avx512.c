@@ -332,7 +332,7 @@ static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t l
                            float *Y, size_t ldy, __m512 (*keep)[24]) {
     const size_t n = W->cols, full = n / 16, rem = n % 16, ldw = W->row_bytes / sizeof(float);
     const float *w = (const float *)W->codes + r * ldw;
-    const size_t blocks = full / KB_CHUNKS + (full % KB_CHUNKS || (rem && !full) ? 1 : 0);
+    const size_t blocks = cism_div_up(full, KB_CHUNKS); /* full > 0: wider than TILE6_MAX_COLS */
     for (size_t b = 0; b < blocks; b++) {
         const size_t c0 = b * KB_CHUNKS, c1 = c0 + KB_CHUNKS < full ? c0 + KB_CHUNKS : full;
         const int first = b == 0, last = b + 1 == blocks;
@@ -407,7 +407,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
      * and for column-blocked tiles (rows past TILE6_MAX_COLS); if it cannot
      * be had, the direct tiles do the work (4 x 4 past TILE6_MAX_COLS) */
     const int deq = S != CISM_FP32 && T > 4 && W->cols <= DEQ_MAX_COLS;
-    const int kb = W->cols >= TILE6_MIN_COLS && W->cols > TILE6_MAX_COLS;
+    const int kb = W->cols > TILE6_MAX_COLS && (S == CISM_FP32 || deq);
     tile_scratch sc = {NULL, NULL};
     void *mem = NULL;
     if (deq || kb) {
