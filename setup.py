@@ -42,6 +42,8 @@ ISA_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                    "-mavx512dq", "-mavx512vnni"],
+    "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+            "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
 }
 # Kernel sources: (path, ISA). x86 variants are skipped on other machines.
 KERNEL_SOURCES = [
@@ -49,6 +51,7 @@ KERNEL_SOURCES = [
     ("csrc/gemm/gemm_avx2.c", "avx2"),
     ("csrc/gemm/gemm_avx512.c", "avx512"),
     ("csrc/gemm/gemm_avx512vnni.c", "avx512vnni"),
+    ("csrc/gemm/gemm_amx.c", "amx"),
     ("csrc/act/act_ref.c", "ref"),
     ("csrc/act/act_avx2.c", "avx2"),
     ("csrc/act/act_avx512.c", "avx512"),
@@ -81,6 +84,27 @@ def probe_openmp():
     return ["-fopenmp"]
 
 
+def probe_amx():
+    """Whether the compiler takes the AMX and AVX512-BF16 flags and intrinsics
+    (GCC 11+, Clang 12+); without them the bf16 precision is not built."""
+    if not X86 or os.environ.get("CISM_NO_AMX", "") not in ("", "0"):
+        return False
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    src = ("#include <immintrin.h>\nint main(void){_tile_zero(0);_tile_release();"
+           "__m512 a=_mm512_setzero_ps();__m256bh b=_mm512_cvtneps_pbh(a);(void)b;return 0;}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        c_path = os.path.join(tmp, "probe.c")
+        with open(c_path, "w") as f:
+            f.write(src)
+        try:
+            subprocess.run([cc, "-c", *ISA_FLAGS["amx"], c_path, "-o", os.path.join(tmp, "probe.o")],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return True
+
+
+HAVE_AMX = probe_amx()
 OPENMP = probe_openmp()
 if OPENMP is None:
     bar = "!" * 72
@@ -95,11 +119,12 @@ class BuildExt(build_ext):
     def build_extensions(self):
         objects = []
         for path, isa in KERNEL_SOURCES:
-            if isa != "ref" and not X86:
+            if (isa != "ref" and not X86) or (isa == "amx" and not HAVE_AMX):
                 continue
             flags = BASE_CFLAGS + OPT_CFLAGS + SAN_FLAGS + ["-fPIC"] + ISA_FLAGS[isa]
             objects += self.compiler.compile(
                 [path], output_dir=self.build_temp, include_dirs=["csrc"],
+                macros=[("CISM_HAVE_AMX", "1")] if HAVE_AMX else [],
                 extra_postargs=flags, depends=HEADERS)
         for ext in self.extensions:
             if ext.name == "cism._kernels":

@@ -40,6 +40,8 @@ cdef extern from "kernels.h" nogil:
         CISM_ISA_AVX512VNNI
 
     size_t cism_act_len(size_t n)
+    size_t cism_bf16_len(size_t n)
+    size_t cism_bf16_rows(size_t T)
 
     ctypedef struct cism_act:
         const float *x
@@ -48,6 +50,9 @@ cdef extern from "kernels.h" nogil:
         const int8_t *q8
         const float *qscale
         size_t ldq, ldqs
+        const uint16_t *xb
+        size_t ldb
+        int *err
 
     ctypedef void (*cism_gemm_fn)(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
                                   size_t T, float *Y, size_t ldy) noexcept nogil
@@ -58,6 +63,7 @@ cdef extern from "kernels.h" nogil:
                                        size_t n) noexcept nogil
     ctypedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
+    ctypedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out) noexcept nogil
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
     ctypedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n) noexcept nogil
 
@@ -66,6 +72,8 @@ cdef extern from "kernels.h" nogil:
         cism_gemm_fn gemm_int8_q8
         cism_gemm_fn gemm_int4_q16
         cism_gemm_fn gemm_fp4_q16
+        cism_gemm_fn gemm_bf16
+        cism_pack_bf16_fn pack_bf16
         cism_dot_fn dot
         cism_axpy_fn axpy
         cism_axpy_tile_fn axpy_tile
@@ -82,10 +90,13 @@ cdef extern from "kernels.h" nogil:
         const char *name_dot
         const char *name_quant
         const char *name_act
+        const char *name_gemm_bf16
 
     ctypedef struct cism_cpu:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile
+        int avx512bf16, amx_bf16
         int os_avx, os_avx512, os_amx
+        int amx_granted
 
     int cism_init()
     const cism_kernels *cism_table()

@@ -72,6 +72,8 @@ def cpu_features():
         "avx512vl": bool(c.avx512vl), "avx512dq": bool(c.avx512dq),
         "avx512vnni": bool(c.avx512vnni), "avx_vnni": bool(c.avx_vnni),
         "amx_tile (OS state)": bool(c.amx_tile),
+        "avx512_bf16": bool(c.avx512bf16), "amx_bf16": bool(c.amx_bf16),
+        "amx granted": bool(c.amx_granted),
     }
 
 
@@ -84,6 +86,7 @@ def kernel_variants():
         "dot/axpy (attention)": k.name_dot.decode(),
         "activation quantization": k.name_quant.decode(),
         "vector activations": k.name_act.decode(),
+        "gemm (bf16, opt-in)": k.name_gemm_bf16.decode() if k.name_gemm_bf16 != NULL else "none",
     }
 
 

@@ -9,6 +9,7 @@ cdef class WeightStore:
     cdef str code_version
     cdef int threads_
     cdef bint act_q8_
+    cdef str prefill_precision_   # "exact" or "bf16" (dense models; see set_prefill_precision)
     cdef public object source  # the Checkpoint a model was loaded from, if any
     cdef list keep            # Matrix objects and norm/vector arrays the C pointers point into
     cdef dict matrices        # HF name -> Matrix
@@ -21,3 +22,4 @@ cdef class WeightStore:
     cdef object add_vector(self, name, values)
     # copy act_q8_ into the family's C model struct (called by set_act_precision)
     cdef void apply_act_precision(self)
+    cdef object update_key(self)

@@ -13,7 +13,7 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from posix.mman cimport mlock, munlock
 
-from cism.matrix cimport Matrix
+from cism.matrix cimport ACT_FP32, ACT_Q8, Matrix
 
 from cism import _kernels
 
@@ -130,6 +130,7 @@ cdef class WeightStore:
         self.threads_ = 1
         self.source = None
         self.code_version = "cism-1"
+        self.prefill_precision_ = "exact"
 
     cdef void apply_act_precision(self):
         pass
@@ -149,11 +150,17 @@ cdef class WeightStore:
             raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
         self.act_q8_ = act_precision == "int8"
         for m in self.matrices.values():
-            (<Matrix>m).act_q8 = self.act_q8_
+            (<Matrix>m).act_mode = ACT_Q8 if self.act_q8_ else ACT_FP32
         self.apply_act_precision()
-        text = "|".join([self.compile_canonical, self.precision_, self.act_precision,
-                         str(self.threads_), _kernels.isa(), self.code_version])
-        self.compile_key_ = hashlib.sha256(text.encode()).hexdigest()[:32]
+        self.update_key()
+
+    cdef object update_key(self):
+        parts = [self.compile_canonical, self.precision_, self.act_precision,
+                 str(self.threads_), _kernels.isa(), self.code_version]
+        if self.prefill_precision_ != "exact":
+            # (exact models keep the keys they always had)
+            parts.append("prefill=" + self.prefill_precision_)
+        self.compile_key_ = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
     @property
     def thread_count(self):

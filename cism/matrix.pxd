@@ -1,6 +1,15 @@
 # C-level matrix products for the model modules (cimport cism.matrix).
-from libc.stdint cimport int8_t, int16_t, uint8_t
+from libc.stdint cimport int8_t, int16_t, uint8_t, uint16_t
 from cism._kernels cimport cism_mat
+
+# Activation modes of gemm_multi (bit flags): ACT_Q8 selects the
+# quantized-activation kernels for integer storages; ACT_BF16 the opt-in bf16
+# kernel (gemm_amx.c) for every storage, where the CPU has it (elsewhere the
+# call runs as if ACT_BF16 were not set).
+cdef enum:
+    ACT_FP32 = 0
+    ACT_Q8 = 1
+    ACT_BF16 = 2
 
 # Per-caller scratch for quantized activations. Every session owns one, so
 # concurrent sessions never share buffers. Zero-initialise, free with
@@ -10,18 +19,21 @@ ctypedef struct Scratch:
     int8_t *q8
     float *qs16
     float *qs8
-    size_t cap16, cap8, caps16, caps8
+    uint16_t *xb
+    size_t cap16, cap8, caps16, caps8, capb
 
 cdef void scratch_free(Scratch *s) noexcept nogil
 
 # Y_i[t*ldy_i + r] = row r of W_i . X[t], for count matrices sharing one
 # input: one parallel pass over all their rows (fused q/k/v, gate/up).
-# act_q8 selects the quantized-activation kernels for integer storages.
+# mode: ACT_* flags above.
 # Returns 0, or -1 when scratch memory could not be allocated.
-cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, bint act_q8,
+cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, int mode,
                     const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil
-cdef int gemm1(const cism_mat *W, bint act_q8, const float *X, size_t ldx, size_t T,
+cdef int gemm1(const cism_mat *W, int mode, const float *X, size_t ldx, size_t T,
                float *Y, size_t ldy, Scratch *s, int threads) noexcept nogil
+# Whether the bf16 kernel is in the dispatch table (AMX-BF16, granted by the OS).
+cdef bint bf16_ready() noexcept nogil
 # Row i of W (fp32/fp16/int8 only) into out[cols].
 cdef void mat_row(const cism_mat *W, size_t i, float *out) noexcept nogil
 
@@ -30,5 +42,5 @@ cdef class Matrix:
     cdef void *codes_buf
     cdef float *scales_buf
     cdef size_t nbytes_
-    cdef bint act_q8
+    cdef int act_mode
     cdef str storage_name

@@ -18,6 +18,7 @@ from cpython.ref cimport Py_INCREF
 
 from cism._kernels cimport (
     CISM_FP16, CISM_FP32, CISM_FP4, CISM_INT4, CISM_INT8, CISM_SLACK, cism_act, cism_act_len,
+    cism_bf16_len, cism_bf16_rows,
     cism_code_bytes, cism_div_up, cism_gemm_fn, cism_kernels, cism_mat, cism_row_bytes, kernel_table)
 from cism._threads import resolve_threads
 
@@ -56,6 +57,7 @@ cdef void scratch_free(Scratch *s) noexcept nogil:
     free(s.q8)
     free(s.qs16)
     free(s.qs8)
+    free(s.xb)
     memset(s, 0, sizeof(Scratch))
 
 
@@ -72,8 +74,14 @@ cdef int grow(void **p, size_t *cap, size_t need) noexcept nogil:
     return 0
 
 
-cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, bint act_q8) noexcept nogil:
-    if act_q8:
+cdef bint bf16_ready() noexcept nogil:
+    return kernel_table().gemm_bf16 != NULL
+
+
+cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, int mode) noexcept nogil:
+    if mode & ACT_BF16:
+        return k.gemm_bf16
+    if mode & ACT_Q8:
         if W.storage == CISM_INT8:
             return k.gemm_int8_q8
         if W.storage == CISM_INT4:
@@ -83,9 +91,9 @@ cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, b
     return k.gemm[W.storage]
 
 
-cdef inline const cism_act *pick_act(const cism_mat *W, bint act_q8, const cism_act *a32,
+cdef inline const cism_act *pick_act(const cism_mat *W, int mode, const cism_act *a32,
                                      const cism_act *a16, const cism_act *a8) noexcept nogil:
-    if act_q8:
+    if mode & ACT_Q8 and not mode & ACT_BF16:
         if W.storage == CISM_INT8:
             return a8
         if W.storage == CISM_INT4 or W.storage == CISM_FP4:
@@ -94,7 +102,7 @@ cdef inline const cism_act *pick_act(const cism_mat *W, bint act_q8, const cism_
 
 
 cdef inline void gemm_chunks(const cism_kernels *k, const cism_mat **W, float **Y, const size_t *ldy,
-                             int count, const size_t *starts, size_t c0, size_t c1, bint act_q8,
+                             int count, const size_t *starts, size_t c0, size_t c1, int mode,
                              const cism_act *a32, const cism_act *a16, const cism_act *a8,
                              size_t T) noexcept nogil:
     """The rows of CHUNK-row chunks [c0, c1) of the matrices laid end to end
@@ -110,27 +118,32 @@ cdef inline void gemm_chunks(const cism_kernels *k, const cism_mat **W, float **
             r1 = (hi - starts[m]) * CHUNK
             if r1 > W[m].rows:
                 r1 = W[m].rows
-            pick_kernel(k, W[m], act_q8)(W[m], r0, r1, pick_act(W[m], act_q8, a32, a16, a8),
-                                         T, Y[m], ldy[m])
+            pick_kernel(k, W[m], mode)(W[m], r0, r1, pick_act(W[m], mode, a32, a16, a8),
+                                       T, Y[m], ldy[m])
 
 
-cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, bint act_q8,
+cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count, int mode,
                     const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil:
     cdef const cism_kernels *k = kernel_table()
     cdef size_t cols = W[0].cols
     cdef size_t qlen = cism_act_len(cols)
     cdef size_t qblocks = qlen // 32
+    cdef size_t blen = cism_bf16_len(cols)
     cdef bint need16 = False, need8 = False
-    cdef int i, th
+    cdef int i, th, err = 0
     cdef size_t t, total = 0, work = 0
     cdef size_t starts[9]
     cdef cism_act a32, a16, a8
     if count < 1 or count > 8:
         return -1
+    if mode & ACT_BF16 and k.gemm_bf16 == NULL:
+        mode = mode & ACT_Q8
     for i in range(count):
-        if act_q8 and W[i].storage == CISM_INT8:
+        if mode & ACT_BF16:
+            pass
+        elif mode & ACT_Q8 and W[i].storage == CISM_INT8:
             need8 = True
-        elif act_q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
+        elif mode & ACT_Q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
             need16 = True
         starts[i] = total
         total += cism_div_up(W[i].rows, CHUNK)
@@ -139,6 +152,7 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     memset(&a32, 0, sizeof(cism_act))
     a32.x = X
     a32.ldx = ldx
+    a32.err = &err
     a16 = a32
     a8 = a32
     if T == 0:
@@ -171,6 +185,19 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         a8.qscale = s.qs8
         a8.ldq = qlen
         a8.ldqs = qblocks
+    if mode & ACT_BF16:
+        # every activation row as bf16, rows past T zero (tiles read 32 at a time)
+        if grow(<void**>&s.xb, &s.capb, cism_bf16_rows(T) * blen * sizeof(uint16_t)):
+            return -1
+        if threads > 1 and T > 1:
+            for t in prange(T, schedule='static', num_threads=threads):
+                k.pack_bf16(X + t * ldx, cols, s.xb + t * blen)
+        else:
+            for t in range(T):
+                k.pack_bf16(X + t * ldx, cols, s.xb + t * blen)
+        memset(s.xb + T * blen, 0, (cism_bf16_rows(T) - T) * blen * sizeof(uint16_t))
+        a32.xb = s.xb
+        a32.ldb = blen
     if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
         # Each thread takes one contiguous share of the chunks, so the kernel
         # gets each matrix's part of it in one call: decode can spread its
@@ -179,15 +206,15 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         # most one short tile per matrix (see gemm_avx512.c).
         for th in prange(threads, schedule='static', num_threads=threads):
             gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
-                        total * (th + 1) // threads, act_q8, &a32, &a16, &a8, T)
+                        total * (th + 1) // threads, mode, &a32, &a16, &a8, T)
     else:
-        gemm_chunks(k, W, Y, ldy, count, starts, 0, total, act_q8, &a32, &a16, &a8, T)
-    return 0
+        gemm_chunks(k, W, Y, ldy, count, starts, 0, total, mode, &a32, &a16, &a8, T)
+    return -1 if err else 0
 
 
-cdef int gemm1(const cism_mat *W, bint act_q8, const float *X, size_t ldx, size_t T,
+cdef int gemm1(const cism_mat *W, int mode, const float *X, size_t ldx, size_t T,
                float *Y, size_t ldy, Scratch *s, int threads) noexcept nogil:
-    return gemm_multi(&W, &Y, &ldy, 1, act_q8, X, ldx, T, s, threads)
+    return gemm_multi(&W, &Y, &ldy, 1, mode, X, ldx, T, s, threads)
 
 
 cdef void mat_row(const cism_mat *W, size_t i, float *out) noexcept nogil:
@@ -212,6 +239,14 @@ def _check_act_precision(value):
     if value not in ("fp32", "int8"):
         raise ValueError(f"act_precision must be fp32 or int8, got {value!r}")
     return value == "int8"
+
+
+def bf16_available():
+    """Whether the opt-in bf16 precision can run here: the CPU has AMX-BF16
+    and AVX512-BF16, the OS granted this process the tile state, and the
+    kernel level in use (``CISM_ISA``, ``cism._kernels.set_isa``) is the top
+    one."""
+    return bf16_ready()
 
 
 cdef class Matrix:
@@ -249,7 +284,7 @@ cdef class Matrix:
             bad = np.argwhere(~np.isfinite(values))[0]
             raise ValueError(f"values must be finite; found {values[tuple(bad)]} at {tuple(bad)}")
         self.storage_name = STORAGES[s]
-        self.act_q8 = False
+        self.act_mode = ACT_FP32
         cdef size_t R = rows, C = cols
         cdef size_t row_bytes = cism_row_bytes(s, C)
         cdef size_t nscales = R if s == CISM_INT8 else 0
@@ -307,13 +342,27 @@ cdef class Matrix:
 
     @property
     def act_precision(self):
-        """``"fp32"`` or ``"int8"``: integer storages quantize activations per
-        32-element block when ``"int8"`` (fp32/fp16 storages ignore it)."""
-        return "int8" if self.act_q8 else "fp32"
+        """``"fp32"``, ``"int8"`` or ``"bf16"``: integer storages quantize
+        activations per 32-element block when ``"int8"`` (fp32/fp16 storages
+        ignore it); ``"bf16"`` is the opt-in AMX precision for every storage
+        (weights and activations rounded to bfloat16, fp32 sums in the tile
+        unit's order: not the canonical dot, see docs/EXACTNESS.md), settable
+        only where ``bf16_available()``."""
+        if self.act_mode == ACT_BF16:
+            return "bf16"
+        return "int8" if self.act_mode == ACT_Q8 else "fp32"
 
     @act_precision.setter
     def act_precision(self, value):
-        self.act_q8 = _check_act_precision(value)
+        if value == "bf16":
+            if not bf16_ready():
+                raise ValueError("act_precision 'bf16' needs AMX-BF16, which this CPU, its OS or "
+                                 "the kernel level in use (CISM_ISA) does not offer")
+            self.act_mode = ACT_BF16
+            return
+        if value not in ("fp32", "int8"):
+            raise ValueError(f"act_precision must be fp32, int8 or bf16, got {value!r}")
+        self.act_mode = ACT_Q8 if value == "int8" else ACT_FP32
 
     def __repr__(self):
         return (f"Matrix(rows={self.mat.rows}, cols={self.mat.cols}, storage={self.storage_name!r}, "
@@ -340,7 +389,7 @@ cdef class Matrix:
         """X @ W.T for float32 (T, cols) activations; returns (T, rows).
 
         Each weight row is streamed once for all T tokens, and row t of the
-        result equals ``gemv(X[t])`` bit for bit."""
+        result equals ``gemv(X[t])`` bit for bit (in every act_precision)."""
         cdef int nt = resolve_threads(threads)
         cdef cnp.ndarray Xc = self._input(X, 2)
         cdef size_t T = Xc.shape[0]
@@ -349,7 +398,7 @@ cdef class Matrix:
         cdef int rc
         memset(&s, 0, sizeof(Scratch))
         with nogil:
-            rc = gemm1(&self.mat, self.act_q8, <const float*>cnp.PyArray_DATA(Xc), self.mat.cols, T,
+            rc = gemm1(&self.mat, self.act_mode, <const float*>cnp.PyArray_DATA(Xc), self.mat.cols, T,
                        <float*>cnp.PyArray_DATA(out), self.mat.rows, &s, nt)
             scratch_free(&s)
         if rc != 0:

@@ -3,6 +3,7 @@
  * A feature counts only when CPUID lists it AND the OS saves its registers
  * (XGETBV): CPUID on these machines lists AMX although a process must first
  * ask for it with arch_prctl, and a hypervisor may hide AVX-512 state. */
+#define _GNU_SOURCE /* syscall() */
 #include "kernels.h"
 
 #include <stdlib.h>
@@ -11,6 +12,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define CISM_X86 1
+#endif
+#if defined(CISM_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 static cism_kernels table;
@@ -60,13 +65,23 @@ static void detect(void) {
         cpu.avx512vl = (b >> 31) & 1;
         cpu.avx512vnni = (c >> 11) & 1;
         cpu.amx_tile = (d >> 24) & 1;
+        cpu.amx_bf16 = (d >> 22) & 1;
         __cpuid_count(7, 1, a, b, c, d);
         cpu.avx_vnni = (a >> 4) & 1;
+        cpu.avx512bf16 = (a >> 5) & 1;
     }
     if (!cpu.os_avx) cpu.avx2 = cpu.fma = cpu.f16c = 0;
     if (!cpu.os_avx512) cpu.avx512f = cpu.avx512dq = cpu.avx512bw = cpu.avx512vl = cpu.avx512vnni = 0;
     if (!cpu.os_avx) cpu.avx_vnni = 0;
-    if (!cpu.os_amx) cpu.amx_tile = 0;
+    if (!cpu.os_avx512) cpu.avx512bf16 = 0;
+    if (!cpu.os_amx) cpu.amx_tile = cpu.amx_bf16 = 0;
+#if defined(__linux__) && defined(CISM_HAVE_AMX)
+    /* Linux hands out the tile state (8 KiB per thread) only on request;
+     * once granted it holds for every thread of the process. */
+    if (cpu.amx_tile && cpu.amx_bf16 && cpu.avx512bf16)
+        cpu.amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                  18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
     if (cpu.avx2 && cpu.fma && cpu.f16c) level_max = CISM_ISA_AVX2;
     if (level_max == CISM_ISA_AVX2 && cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq)
         level_max = CISM_ISA_AVX512;
@@ -82,6 +97,10 @@ static void fill(int level) {
     if (level >= CISM_ISA_AVX2) { cism_fill_gemm_avx2(&table); cism_fill_act_avx2(&table); }
     if (level >= CISM_ISA_AVX512) { cism_fill_gemm_avx512(&table); cism_fill_act_avx512(&table); }
     if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_avx512vnni(&table);
+#ifdef CISM_HAVE_AMX
+    /* the bf16 precision rides on the top level: CISM_ISA below it turns it off */
+    if (level >= CISM_ISA_AVX512VNNI && cpu.amx_granted) cism_fill_gemm_amx(&table);
+#endif
 #endif
     level_in_use = level;
 }

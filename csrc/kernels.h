@@ -41,6 +41,10 @@
 
 #define CISM_ACT_PAD 64
 static inline size_t cism_act_len(size_t n) { return cism_div_up(n, CISM_ACT_PAD) * CISM_ACT_PAD; }
+/* bf16 activation rows (the opt-in bf16 precision): padded to whole 32-element
+ * tile rows, and the row count to a multiple of 32. */
+static inline size_t cism_bf16_len(size_t n) { return cism_div_up(n, 32) * 32; }
+static inline size_t cism_bf16_rows(size_t T) { return cism_div_up(T, 32) * 32; }
 
 /* T activation rows, in whichever forms the kernel needs. */
 typedef struct cism_act {
@@ -50,6 +54,9 @@ typedef struct cism_act {
     const int8_t *q8;     /* q8 rows, zero padded to cism_act_len(cols), row stride ldq */
     const float *qscale;  /* per-block scales, row stride ldqs */
     size_t ldq, ldqs;
+    const uint16_t *xb;   /* bf16 rows (pack_bf16), cism_bf16_rows(T) of them, row stride ldb */
+    size_t ldb;
+    int *err;             /* bf16 kernels set *err = 1 when they cannot get scratch */
 } cism_act;
 
 /* Y[t*ldy + r] = dot(row r of W, activation row t), r in [r0, r1), t < T. */
@@ -69,6 +76,8 @@ typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const f
  * scales, zero beyond n (so kernels may read whole vectors). */
 typedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales);
 typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
+/* n floats as cism_bf16_len(n) bfloat16 (nearest even, zero beyond n). */
+typedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out);
 /* y = f(x), elementwise; y may alias x. */
 typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
 /* y = f(a) * b, elementwise; y may alias a or b. */
@@ -81,6 +90,11 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_int8_q8;               /* int8 weights x q8 activations */
     cism_gemm_fn gemm_int4_q16;              /* int4 weights x q16 activations */
     cism_gemm_fn gemm_fp4_q16;               /* fp4 weights x q16 activations */
+    /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
+     * in the hardware's order; see gemm_amx.c). NULL where the CPU or the OS
+     * has no AMX-BF16: callers then keep the canonical kernels. */
+    cism_gemm_fn gemm_bf16;
+    cism_pack_bf16_fn pack_bf16;
     cism_dot_fn dot;
     cism_axpy_fn axpy;
     cism_axpy_tile_fn axpy_tile;
@@ -89,13 +103,15 @@ typedef struct cism_kernels {
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;
     /* which variant fills each family, for show_runtime(): "ref", "avx2", ... */
-    const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act;
+    const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act, *name_gemm_bf16;
 } cism_kernels;
 
 /* CPU features found (CPUID and XGETBV both agree). */
 typedef struct cism_cpu {
     int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile;
+    int avx512bf16, amx_bf16;
     int os_avx, os_avx512, os_amx;
+    int amx_granted; /* Linux let this process use the tile state (ARCH_REQ_XCOMP_PERM) */
 } cism_cpu;
 
 /* Fill the table once (idempotent): every slot gets the reference kernel,
@@ -120,6 +136,7 @@ void cism_fill_gemm_ref(cism_kernels *k);
 void cism_fill_gemm_avx2(cism_kernels *k);
 void cism_fill_gemm_avx512(cism_kernels *k);
 void cism_fill_gemm_avx512vnni(cism_kernels *k);
+void cism_fill_gemm_amx(cism_kernels *k);
 void cism_fill_act_ref(cism_kernels *k);
 void cism_fill_act_avx2(cism_kernels *k);
 void cism_fill_act_avx512(cism_kernels *k);

@@ -1,0 +1,241 @@
+/* AMX bf16 gemm: the opt-in "bf16" prefill precision (docs/EXACTNESS.md).
+ *
+ * NOT the canonical arithmetic of kernels.h. Weights (after dequantization)
+ * and activations are rounded to bfloat16 (nearest even), and the tile unit
+ * (TDPBF16PS) sums their products into fp32 in its own order and rounding,
+ * which only the hardware defines. What stays true:
+ *   - every (row, token) output depends only on that row and that token:
+ *     the same bits whatever the thread count, the rows' split, the number
+ *     of tokens in the call or their order (tokens are independent rows of
+ *     the A tile, rows independent columns of the B tile, and the K blocks
+ *     go by in one fixed order);
+ *   - int8 and fp4 weights are exact in bf16 (at most 7 and 6 significant
+ *     bits), so only activations, fp32/fp16 weights and int4 weights are
+ *     rounded; the int8 row scale multiplies the finished dot as in the
+ *     canonical path.
+ *
+ * Layout: C (16 tokens x 16 rows, fp32) += A (16 tokens x 32 k, bf16, the
+ * activations row-major, stride CISM_BF16 padded columns) . B (16 k pairs x
+ * 16 rows x 2, the weights in the "VNNI" pair layout). A is packed once per
+ * call by the caller (pack_bf16); each 32-row block of weights is
+ * dequantized, rounded and transposed into B blocks once per call, then
+ * used for every token. C tiles are stored straight into Y (a token's row
+ * of outputs is a row of C). Two A and two B tiles feed four C tiles: 32
+ * tokens x 32 rows per step of 32 elements.
+ *
+ * This file includes the AVX-512 family for its dequantization (the same
+ * weights the exact tiles multiply) and is compiled with AMX and
+ * AVX512-BF16 flags; the table filler installs it only when the CPU has
+ * AMX-BF16 and the kernel granted this process the tile state. */
+/* (only the dequantization of the included family is used here) */
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include "gemm_avx512.c"
+
+#include <string.h>
+
+#define AMX_ROWS 32 /* weight rows per B block (two tiles) */
+
+/* The tile configuration (palette 1): every tile 16 rows of 64 bytes.
+ * volatile: GCC 12 at -O3 drops the stores that fill a plain struct before
+ * _tile_loadconfig reads it (NOTES.md); the barrier keeps them in order. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+    volatile tile_config cfg;
+    memset((void *)&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig((const void *)&cfg);
+}
+
+/* 32 floats (masked: elements past n are zero) as 32 bf16, nearest even. */
+ALWAYS_INLINE __m512i bf16_32(const float *x, size_t n) {
+    const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+    const __m512 lo = _mm512_maskz_loadu_ps(m0, x), hi = _mm512_maskz_loadu_ps(m1, x + 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static void pack_bf16_amx(const float *x, size_t n, uint16_t *out) {
+    const size_t len = cism_bf16_len(n);
+    for (size_t k = 0; k < len; k += 32) {
+        const size_t left = k < n ? n - k : 0;
+        _mm512_storeu_si512((void *)(out + k), bf16_32(x + k, left));
+    }
+}
+
+/* 16 x 16 dwords: in[i] holds row i; returns the transpose in out[j]. */
+ALWAYS_INLINE void transpose16(const __m512i in[16], __m512i out[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    /* b[4q + s] holds, in 128-bit lane L, elements 4L..4L+3 of column
+     * group s... of rows 4q..4q+3: gather lanes across q */
+    for (int s = 0; s < 4; s++) {
+        const __m512i t0 = _mm512_shuffle_i32x4(b[s], b[4 + s], 0x88);
+        const __m512i t1 = _mm512_shuffle_i32x4(b[s], b[4 + s], 0xdd);
+        const __m512i t2 = _mm512_shuffle_i32x4(b[8 + s], b[12 + s], 0x88);
+        const __m512i t3 = _mm512_shuffle_i32x4(b[8 + s], b[12 + s], 0xdd);
+        out[s] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+        out[8 + s] = _mm512_shuffle_i32x4(t0, t2, 0xdd);
+        out[4 + s] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+        out[12 + s] = _mm512_shuffle_i32x4(t1, t3, 0xdd);
+    }
+}
+
+/* Rows r..r+R-1 (R <= 32; missing rows are zero) as B blocks: block
+ * (j, kb) at B + (j * kblocks + kb) * 512 holds, in its row p, the pairs
+ * (w[16j + i][32kb + 2p], w[16j + i][32kb + 2p + 1]) for i = 0..15.
+ * fbuf holds one dequantized row (cols floats). */
+ALWAYS_INLINE void pack_weights(const int S, const cism_mat *W, size_t r, size_t R, float *fbuf,
+                                uint16_t *B) {
+    const size_t n = W->cols, kblocks = cism_bf16_len(n) / 32;
+    for (size_t j = 0; j < AMX_ROWS / 16; j++) {
+        for (size_t kb = 0; kb < kblocks; kb++) {
+            __m512i rows[16], cols[16];
+            const size_t k = 32 * kb, left = n - k;
+            for (size_t i = 0; i < 16; i++) {
+                const size_t row = 16 * j + i;
+                if (row >= R) {
+                    rows[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float *src;
+                if (S == CISM_FP32) {
+                    src = (const float *)((const uint8_t *)W->codes + (r + row) * W->row_bytes);
+                } else {
+                    /* the row's floats were dequantized by the caller into
+                     * fbuf (row `row` at fbuf + row * n) */
+                    src = fbuf + row * n;
+                }
+                rows[i] = bf16_32(src + k, left);
+            }
+            transpose16(rows, cols);
+            uint16_t *blk = B + (j * kblocks + kb) * 512;
+            for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(blk + 32 * p), cols[p]);
+        }
+    }
+}
+
+/* Store a C tile (16 tokens x 16 rows) into Y: tokens t..t+tn-1, rows
+ * r..r+rn-1, times the int8 row scales when given. */
+ALWAYS_INLINE void store_c(const float *c, size_t tn, size_t rn, const float *scales, float *Y,
+                           size_t ldy) {
+    const __mmask16 m = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+    const __m512 s = scales ? _mm512_maskz_loadu_ps(m, scales) : _mm512_set1_ps(1.0f);
+    for (size_t t = 0; t < tn; t++) {
+        __m512 v = _mm512_load_ps(c + 16 * t);
+        if (scales) v = _mm512_mul_ps(v, s);
+        _mm512_mask_storeu_ps(Y + t * ldy, m, v);
+    }
+}
+
+ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                 size_t T, float *Y, size_t ldy) {
+    const size_t n = W->cols, kp = cism_bf16_len(n), kblocks = kp / 32;
+    const size_t lda = A->ldb * sizeof(uint16_t);
+    if (T == 0 || r1 <= r0) return;
+    /* B blocks of 32 rows, the dequantized rows, four C tiles */
+    const size_t b_bytes = (AMX_ROWS / 16) * kblocks * 1024;
+    const size_t f_bytes = S == CISM_FP32 ? 0 : cism_div_up(AMX_ROWS * n * sizeof(float), 64) * 64;
+    uint8_t *mem = aligned_alloc(64, b_bytes + f_bytes + 4 * 1024);
+    if (!mem) {
+        /* no scratch: the caller reports it (never a silent other precision) */
+        __atomic_store_n(A->err, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    uint16_t *B = (uint16_t *)mem;
+    float *fbuf = (float *)(mem + b_bytes);
+    float *cbuf = (float *)(mem + b_bytes + f_bytes);
+    const float *scales = S == CISM_INT8 ? W->scales : NULL;
+    amx_configure();
+    for (size_t r = r0; r < r1; r += AMX_ROWS) {
+        const size_t R = r1 - r < AMX_ROWS ? r1 - r : AMX_ROWS;
+        if (S != CISM_FP32) dequant_rows(S, (int)R, W, r, fbuf);
+        pack_weights(S, W, r, R, fbuf, B);
+        const uint16_t *B0 = B, *B1 = B + kblocks * 512;
+        for (size_t t = 0; t < T; t += 32) {
+            const uint16_t *A0 = A->xb + t * A->ldb, *A1 = A0 + 16 * A->ldb;
+            const int two = T - t > 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            if (two) {
+                for (size_t kb = 0; kb < kblocks; kb++) {
+                    _tile_loadd(4, A0 + 32 * kb, lda);
+                    _tile_loadd(5, A1 + 32 * kb, lda);
+                    _tile_loadd(6, B0 + 512 * kb, 64);
+                    _tile_loadd(7, B1 + 512 * kb, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            } else {
+                for (size_t kb = 0; kb < kblocks; kb++) {
+                    _tile_loadd(4, A0 + 32 * kb, lda);
+                    _tile_loadd(6, B0 + 512 * kb, 64);
+                    _tile_loadd(7, B1 + 512 * kb, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            }
+            const size_t tn0 = T - t < 16 ? T - t : 16, tn1 = two ? (T - t - 16 < 16 ? T - t - 16 : 16) : 0;
+            const size_t rn0 = R < 16 ? R : 16, rn1 = R > 16 ? R - 16 : 0;
+            float *Yt = Y + t * ldy + r;
+            /* C0: tokens t.., rows r..; C1: rows r+16..; C2/C3: tokens t+16.. */
+            _tile_stored(0, cbuf, 64);
+            store_c(cbuf, tn0, rn0, scales ? scales + r : NULL, Yt, ldy);
+            if (rn1) {
+                _tile_stored(1, cbuf + 256, 64);
+                store_c(cbuf + 256, tn0, rn1, scales ? scales + r + 16 : NULL, Yt + 16, ldy);
+            }
+            if (tn1) {
+                _tile_stored(2, cbuf + 512, 64);
+                store_c(cbuf + 512, tn1, rn0, scales ? scales + r : NULL, Yt + 16 * ldy, ldy);
+                if (rn1) {
+                    _tile_stored(3, cbuf + 768, 64);
+                    store_c(cbuf + 768, tn1, rn1, scales ? scales + r + 16 : NULL, Yt + 16 * ldy + 16, ldy);
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(mem);
+}
+
+static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
+                          size_t ldy) {
+    switch (W->storage) {
+    case CISM_FP32: gemm_bf16_tpl(CISM_FP32, W, r0, r1, A, T, Y, ldy); break;
+    case CISM_FP16: gemm_bf16_tpl(CISM_FP16, W, r0, r1, A, T, Y, ldy); break;
+    case CISM_INT8: gemm_bf16_tpl(CISM_INT8, W, r0, r1, A, T, Y, ldy); break;
+    case CISM_INT4: gemm_bf16_tpl(CISM_INT4, W, r0, r1, A, T, Y, ldy); break;
+    default: gemm_bf16_tpl(CISM_FP4, W, r0, r1, A, T, Y, ldy); break;
+    }
+}
+
+void cism_fill_gemm_amx(cism_kernels *k) {
+    for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
+    e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
+    k->gemm_bf16 = gemm_bf16_amx;
+    k->pack_bf16 = pack_bf16_amx;
+    k->name_gemm_bf16 = "amx";
+}
