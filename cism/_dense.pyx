@@ -4,10 +4,12 @@ One forward function serves every session kind: it runs T tokens that may
 belong to several sequences (a batch), each token at its own position, with
 keys and values in contiguous caches or in pages of the shared block pool.
 Every per-row computation is the same whatever the batch, the chunking, the
-KV layout or the thread count, so all of those agree bit for bit.
+KV layout or the thread count, so all of those agree bit for bit (in the
+opt-in bf16 prefill precision too, for the prompt tokens it covers).
 """
 import hashlib
 import threading
+import warnings
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
 from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_scores, tile_softmax
-from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
+from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
@@ -72,13 +74,15 @@ cdef struct ModelC:
     size_t rope_positions
     int threads
     bint act_q8
+    bint prefill_bf16          # prompt tokens' layer projections in the bf16 precision
 
 
 cdef class DenseModel(WeightStore):
     """Dense Llama/Qwen3 weights packed for inference.
 
-    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
-    with ``weights`` a mapping of HF tensor names to float arrays.
+    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32",
+    prefill_precision="exact")`` with ``weights`` a mapping of HF tensor names
+    to float arrays.
     """
     cdef ModelC c
     cdef list rope_keep            # inv_freq and the rotary tables (not weights)
@@ -89,13 +93,15 @@ cdef class DenseModel(WeightStore):
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
 
-    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
+    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
+                 prefill_precision="exact"):
         cls_config = getattr(type(self), "config_class", None)
         if cls_config is None:
             from cism.dense import Config as cls_config
         if not isinstance(config, cls_config):
             raise ValueError(f"config must be a cism.dense.Config, got {type(config).__name__}")
         protected, mlp = check_precisions(precision, act_precision)
+        check_prefill_precision(prefill_precision)
         from cism.dense import weight_shapes
         self.config = config
         self.precision_ = precision
@@ -159,6 +165,7 @@ cdef class DenseModel(WeightStore):
                 arrays.pop(p + suffix, None)
         self._build_rope()
         self.set_act_precision(act_precision)
+        self.set_prefill_precision(prefill_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
         cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
@@ -184,6 +191,32 @@ cdef class DenseModel(WeightStore):
 
     cdef void apply_act_precision(self):
         self.c.act_q8 = self.act_q8_
+
+    @property
+    def prefill_precision(self):
+        """The precision prompt tokens run at: ``"exact"`` (the canonical
+        arithmetic, bit for bit what decoding computes) or ``"bf16"``."""
+        return self.prefill_precision_
+
+    def set_prefill_precision(self, prefill_precision):
+        """``"exact"`` (default) or ``"bf16"``: the opt-in precision for
+        prompt tokens. Their layer projections then run on the AMX tile unit
+        with weights and activations rounded to bfloat16 (several times
+        faster prefill; results close to, not equal to, exact ones).
+        Generated and verified tokens and the LM head stay exact; every
+        prompt token gets the same bits however the prompt is chunked or
+        batched and whatever the thread count (docs/EXACTNESS.md). Where
+        the CPU or OS has no AMX-BF16 this warns and stays ``"exact"``. Not
+        while sessions run."""
+        check_prefill_precision(prefill_precision)
+        if prefill_precision == "bf16" and not bf16_ready():
+            warnings.warn("prefill_precision 'bf16' needs AMX-BF16, which this CPU, its OS or the "
+                          "kernel level in use (CISM_ISA) does not offer; prefill stays exact",
+                          RuntimeWarning, stacklevel=2)
+            prefill_precision = "exact"
+        self.prefill_precision_ = prefill_precision
+        self.c.prefill_bf16 = prefill_precision == "bf16"
+        self.update_key()
 
     # ---- sessions and one-shot evaluation ----
 
@@ -359,7 +392,13 @@ cdef class DenseModel(WeightStore):
         c = self.config
         return (f"{type(self).__name__}({c.model_type}, layers={c.layers}, hidden={c.hidden}, "
                 f"precision={self.precision_!r}, act_precision={self.act_precision!r}, "
-                f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
+                + (f"prefill_precision={self.prefill_precision_!r}, " if self.c.prefill_bf16 else "")
+                + f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
+
+
+def check_prefill_precision(value):
+    if value not in ("exact", "bf16"):
+        raise ValueError(f"prefill_precision must be exact or bf16, got {value!r}")
 
 
 def kv_budget_from_env():
@@ -426,6 +465,7 @@ cdef struct Work:
     size_t *out_rows
     size_t *tile_of  # (T,) first token of each attention query tile
     size_t tokens_cap, score_cap, out_cap, threads_cap
+    bint prompt     # the next forward holds prompt tokens only (set by its caller)
     Scratch qs
 
 
@@ -575,6 +615,9 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef float *outs[3]
     cdef size_t lds[3]
     cdef bint q8 = m.act_q8
+    # the layers' projections: bf16 for prompt tokens when the model asks for
+    # it (the head, and every generated token, stay canonical)
+    cdef int lmode = (ACT_BF16 | q8) if (m.prefill_bf16 and w.prompt) else q8
     cdef int rc
     for g in range(T):
         if w.pos_of[g] + 1 > S:
@@ -604,7 +647,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         lds[0] = QW
         lds[1] = KW
         lds[2] = KW
-        if gemm_multi(mats, outs, lds, 3, q8, w.xn, H, T, &w.qs, nt) != 0:
+        if gemm_multi(mats, outs, lds, 3, lmode, w.xn, H, T, &w.qs, nt) != 0:
             return NOMEM
         # (qwen3 q/k norms,) rotate q and k, store k and v
         for g in prange(T, num_threads=ntT, schedule='static'):
@@ -616,7 +659,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
             attend(m, K, w, l, g, (w.tile_of[r // m.heads + 1] if r // m.heads + 1 < ntiles else T) - g,
                    r % m.heads, &kvs[w.seq_of[g]], w.scores + threadid() * QTILE * w.score_cap)
         # output projection, residual, MLP rmsnorm
-        if gemm1(&L.o, q8, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
+        if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
             add_into(w.x + g * H, w.proj + g * H, H)
@@ -628,11 +671,11 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         outs[1] = w.up
         lds[0] = I
         lds[1] = I
-        if gemm_multi(mats, outs, lds, 2, q8, w.xn, H, T, &w.qs, nt) != 0:
+        if gemm_multi(mats, outs, lds, 2, lmode, w.xn, H, T, &w.qs, nt) != 0:
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
             K.silu_mul(w.gate + g * I, w.up + g * I, w.gate + g * I, I)
-        if gemm1(&L.down, q8, w.gate, I, T, w.proj, H, &w.qs, nt) != 0:
+        if gemm1(&L.down, lmode, w.gate, I, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM
     if n_out == 0:
         return OK
@@ -675,13 +718,18 @@ cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64
                  size_t T, float *rows, int *cancel) noexcept nogil:
     """Forward T tokens of one sequence at its position, in chunks. rows ==
     NULL: logits of the last token into s.logits; else logits of every token
-    into rows (T, vocab)."""
+    into rows (T, vocab). With bf16 prefill, a chunk never straddles the end
+    of the prompt: tokens below s.prompt_end run bf16, the rest canonical
+    (whichever call runs them: prefill, nll, a recompute after eviction)."""
     cdef size_t start = 0, n, i, vocab = m.vocab
     cdef int rc
     while start < T:
         n = T - start
         if n > PREFILL_CHUNK:
             n = PREFILL_CHUNK
+        w.prompt = m.prefill_bf16 and s.position < s.prompt_end
+        if w.prompt and s.position + n > s.prompt_end:
+            n = s.prompt_end - s.position
         if work_reserve(w, m, n, 0, 0) != 0:
             return NOMEM
         for i in range(n):
@@ -1171,9 +1219,10 @@ cdef class BatchSession:
         free(self.p.eos)
         work_free(&self.w)
 
-    cdef int run_batch(self, const int64_t *toks, const int *seq_of, size_t T) noexcept nogil:
+    cdef int run_batch(self, const int64_t *toks, const int *seq_of, size_t T, bint prompt) noexcept nogil:
         """Forward a concatenation of tokens (seq_of[g] says whose), in chunks;
-        the last token of each sequence leaves its logits in that sequence."""
+        the last token of each sequence leaves its logits in that sequence.
+        prompt: all of them are prompt tokens (bf16 prefill applies)."""
         cdef size_t start = 0, n, g, i, n_out, vocab = self.m.vocab
         cdef size_t *offset = <size_t*>calloc(self.B, sizeof(size_t))
         cdef size_t *last = <size_t*>malloc(self.B * sizeof(size_t))
@@ -1184,6 +1233,7 @@ cdef class BatchSession:
             return NOMEM
         for g in range(T):
             last[seq_of[g]] = g
+        self.w.prompt = prompt and self.m.prefill_bf16
         while start < T and rc == OK:
             n = T - start
             if n > PREFILL_CHUNK:
@@ -1246,7 +1296,7 @@ cdef class BatchSession:
                     toks[T] = self.seqs[i].prompt[j]
                     seq_of[T] = <int>i
                     T += 1
-        rc = self.run_batch(toks, seq_of, T) if T else OK
+        rc = self.run_batch(toks, seq_of, T, True) if T else OK
         free(toks)
         free(seq_of)
         if rc != OK:
@@ -1310,7 +1360,7 @@ cdef class BatchSession:
                     n += 1
             if rc != OK or n == 0:
                 break
-            rc = self.run_batch(step_toks, step_seq, n)
+            rc = self.run_batch(step_toks, step_seq, n, False)
             if rc != OK:
                 break
             for i in range(n):

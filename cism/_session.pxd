@@ -22,6 +22,7 @@ cdef struct SeqCore:
     int64_t *history           # tokens the model has consumed, in order
     size_t hist_len
     size_t capacity, position, generated, max_new
+    size_t prompt_end          # positions below it hold prompt tokens (prefix included)
     float *logits              # (vocab,) distribution for the next token
     bint have_logits
     cism_mt64 rng

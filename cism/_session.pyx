@@ -30,6 +30,7 @@ cdef int core_alloc(SeqCore *s, const int64_t *prompt, size_t prompt_len, size_t
                     size_t max_new, size_t vocab, uint64_t seed) noexcept nogil:
     memset(s, 0, sizeof(SeqCore))
     s.capacity = prefix_len + prompt_len + max_new
+    s.prompt_end = prefix_len + prompt_len
     s.max_new = max_new
     s.prompt = <int64_t*>malloc((prompt_len + 1) * sizeof(int64_t))
     s.history = <int64_t*>malloc((s.capacity + 1) * sizeof(int64_t))

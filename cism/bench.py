@@ -140,6 +140,20 @@ def prefill_rate(model, prompt_len=512, repeats=5, seed=1):
     return statistics.median(rates)
 
 
+def prefill_bf16_rate(model, prompt_len=512, repeats=5):
+    """prefill_rate with the opt-in bf16 prefill precision (the model is left
+    as it was), or None where the model family or the CPU has none."""
+    from cism.matrix import bf16_available
+    if not hasattr(model, "set_prefill_precision") or not bf16_available():
+        return None
+    before = model.prefill_precision
+    model.set_prefill_precision("bf16")
+    try:
+        return prefill_rate(model, prompt_len, repeats)
+    finally:
+        model.set_prefill_precision(before)
+
+
 def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5, per_token=None):
     """Decode and prefill figures of one model, with its roofline ratio:
     roofline = the model's scan bandwidth / bytes read per token (per_token,
@@ -147,10 +161,11 @@ def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5, per_t
     reported next to it."""
     decode = decode_rate(model, decode_tokens, repeats)
     prefill = prefill_rate(model, prompt_len, repeats)
+    prefill_bf16 = prefill_bf16_rate(model, prompt_len, repeats)
     scan = scan_bandwidth(model, repeats)
     per_token = per_token or model.weight_bytes
     roofline = scan / per_token
-    return {"precision": model.precision, "act_precision": model.act_precision,
+    return {"prefill_bf16_tok_s": prefill_bf16, "precision": model.precision, "act_precision": model.act_precision,
             "threads": model.thread_count, "weight_bytes": model.weight_bytes,
             "stream_bytes": per_token, "decode_tok_s": decode, "prefill_tok_s": prefill,
             "read_gb_s": bandwidth / 1e9, "scan_gb_s": scan / 1e9, "roofline_tok_s": roofline,
@@ -160,10 +175,11 @@ def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5, per_t
 def format_table(rows):
     """The human-readable table of measure() rows."""
     lines = [f"{'precision':12} {'act':5} {'thr':>3} {'weights MB':>10} {'MB/token':>9} {'scan GB/s':>9} "
-             f"{'decode':>8} {'roofline':>9} {'ratio':>6} {'prefill':>8}"]
+             f"{'decode':>8} {'roofline':>9} {'ratio':>6} {'prefill':>8} {'bf16 pre':>8}"]
     for r in rows:
         lines.append(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} "
                      f"{r['weight_bytes'] / 1e6:10.1f} {r['stream_bytes'] / 1e6:9.1f} "
                      f"{r['scan_gb_s']:9.1f} {r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} "
-                     f"{100 * r['roofline_ratio']:5.0f}% {r['prefill_tok_s']:8.1f}")
+                     f"{100 * r['roofline_ratio']:5.0f}% {r['prefill_tok_s']:8.1f} "
+                     + (f"{r['prefill_bf16_tok_s']:8.1f}" if r.get("prefill_bf16_tok_s") else f"{'-':>8}"))
     return "\n".join(lines)

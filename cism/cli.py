@@ -42,15 +42,29 @@ def model_path(args):
 
 
 def load_model(args):
+    import warnings
+
     import cism
-    return cism.load(model_path(args), precision=args.precision, threads=args.threads,
-                     act_precision=args.act_precision)
+    model = cism.load(model_path(args), precision=args.precision, threads=args.threads,
+                      act_precision=args.act_precision)
+    if args.prefill_precision != "exact":
+        if not hasattr(model, "set_prefill_precision"):
+            raise CliError(f"--prefill-precision {args.prefill_precision} is for dense models, "
+                           f"not {model.config.model_type}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.set_prefill_precision(args.prefill_precision)
+        for w in caught:
+            print(f"cism: note: {w.message}", file=sys.stderr)
+    return model
 
 
 def add_model_args(p, required=False):
     p.add_argument("--model", required=required, help="HF directory, .gguf or llama2.c .bin")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--act-precision", default="fp32", choices=["fp32", "int8"])
+    p.add_argument("--prefill-precision", default="exact", choices=["exact", "bf16"],
+                   help="bf16: prompt tokens on the AMX tile unit (faster, not bit-exact; dense models)")
     p.add_argument("--threads", type=int, default=None, help="default: physical cores")
 
 
@@ -189,7 +203,9 @@ def cmd_perplexity(args):
     sem = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else 0.0
     ppl = math.exp(mean)
     report = {"model": model_path(args), "precision": model.precision,
-              "act_precision": model.act_precision, "ctx": args.ctx, "chunks": n_chunks,
+              "act_precision": model.act_precision,
+              "prefill_precision": getattr(model, "prefill_precision", "exact"),
+              "ctx": args.ctx, "chunks": n_chunks,
               "tokens_scored": int(len(nll)), "ppl": ppl, "ppl_error": ppl * sem,
               "mean_nll": mean}
     if base is not None:

@@ -1,0 +1,232 @@
+"""The opt-in bf16 precision (AMX): Matrix products against a float64
+emulation of its rounding, the invariances it keeps (threads, tokens per
+call, rows' split), and dense models with bf16 prefill: close to exact,
+identical however a prompt is chunked, batched, paged, evicted or forked,
+and refused cleanly (a warning, exact prefill) where the CPU cannot run it."""
+import warnings
+
+import numpy as np
+import pytest
+
+from cism import _kernels
+from cism.matrix import STORAGES, Matrix, bf16_available
+
+from models import small_model
+
+needs_amx = pytest.mark.skipif(not bf16_available(), reason="no AMX-BF16 on this CPU/OS")
+
+
+def bf16(a):
+    """float32 -> nearest bfloat16 (ties to even), as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def emulate(m, X):
+    """float64 products of the bf16-rounded dequantized weights and
+    activations (int8: the codes, times the row scale after), and the sum of
+    the products' magnitudes (the scale of any fp32 summation error)."""
+    Wd = m.dequantize()
+    if m.storage == "int8":
+        codes = np.round(Wd / m.scales[:, None])
+        Wb = bf16(codes).astype(np.float64) * m.scales[:, None]
+        assert np.array_equal(bf16(codes), codes)  # int8 codes are exact in bf16
+    else:
+        Wb = bf16(Wd).astype(np.float64)
+    Xb = bf16(X).astype(np.float64)
+    return Xb @ Wb.T, np.abs(Xb) @ np.abs(Wb).T
+
+
+SHAPES = [(64, 64, 16), (70, 100, 5), (33, 1040, 47), (1, 31, 1), (200, 3072, 40), (96, 576, 70)]
+
+
+@needs_amx
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("rows,cols,T", SHAPES)
+def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T):
+    rng = np.random.default_rng(rows * cols + T)
+    W = rng.standard_normal((rows, cols)).astype(np.float32)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    m = Matrix(W, storage)
+    exact = m.gemm(X, threads=2)
+    m.act_precision = "bf16"
+    assert m.act_precision == "bf16"
+    Y = m.gemm(X, threads=2)
+    want, mag = emulate(m, X)
+    # inputs rounded exactly as emulated: only the fp32 summation differs
+    # (truncating instead of rounding would be ~1e-3 of the magnitudes)
+    assert np.all(np.abs(Y - want) <= 2e-6 * mag + 1e-30)
+    if storage in ("fp32", "fp16") or (T > 1 and cols > 32):
+        assert not np.array_equal(Y, exact)  # it is not the canonical path
+    # each output depends on its own row and token only
+    assert np.array_equal(Y, m.gemm(X, threads=1))
+    assert np.array_equal(Y[:1], m.gemm(X[:1], threads=1))
+    perm = rng.permutation(T)
+    assert np.array_equal(Y[perm], m.gemm(X[perm], threads=2))
+    assert np.array_equal(Y[-1], m.gemv(X[-1]))
+    if rows > 32:
+        sub = Matrix(W[32:], storage)
+        sub.act_precision = "bf16"
+        assert np.array_equal(Y[:, 32:], sub.gemm(X, threads=2))
+
+
+@needs_amx
+def test_matrix_bf16_extremes():
+    """Large and tiny magnitudes stay finite and rounded; a zero input gives zeros."""
+    rng = np.random.default_rng(3)
+    W = (rng.standard_normal((40, 96)) * 1e18).astype(np.float32)
+    X = (rng.standard_normal((3, 96)) * 1e-18).astype(np.float32)
+    m = Matrix(W, "fp32")
+    m.act_precision = "bf16"
+    Y = m.gemm(X)
+    want, mag = emulate(m, X)
+    assert np.all(np.isfinite(Y)) and np.all(np.abs(Y - want) <= 2e-6 * mag)
+    assert not np.any(m.gemm(np.zeros((2, 96), np.float32)))
+
+
+def test_matrix_bf16_refused_where_unavailable():
+    m = Matrix(np.ones((4, 8), np.float32), "fp32")
+    with pytest.raises(ValueError, match="fp32, int8 or bf16"):
+        m.act_precision = "fp8"
+    before = _kernels.isa()
+    _kernels.set_isa("ref")
+    try:
+        assert not bf16_available()
+        with pytest.raises(ValueError, match="needs AMX-BF16"):
+            m.act_precision = "bf16"
+        assert m.act_precision == "fp32"
+    finally:
+        _kernels.set_isa(before)
+
+
+# ------------------------------------------------------------ models ---
+
+def bf16_model(model_type="llama", precision="fp32", threads=2, seed=0, **kw):
+    model = small_model(model_type, precision, threads=threads, seed=seed, **kw)
+    model.set_prefill_precision("bf16")
+    return model
+
+
+def test_prefill_precision_validated():
+    model = small_model()
+    assert model.prefill_precision == "exact"
+    with pytest.raises(ValueError, match="prefill_precision must be exact or bf16"):
+        model.set_prefill_precision("fp16")
+    from cism.dense import Model
+    with pytest.raises(ValueError, match="prefill_precision must be exact or bf16"):
+        Model.from_pretrained("/nonexistent/checkpoint", prefill_precision="bf8")
+
+
+def test_prefill_bf16_warns_and_stays_exact_without_amx():
+    model = small_model(seed=4)
+    prompt = list(range(1, 40))
+    want = model.logits(prompt)
+    before = _kernels.isa()
+    _kernels.set_isa("ref")
+    try:
+        with pytest.warns(RuntimeWarning, match="prefill stays exact"):
+            model.set_prefill_precision("bf16")
+        assert model.prefill_precision == "exact"
+    finally:
+        _kernels.set_isa(before)
+    assert np.array_equal(model.logits(prompt), want)
+
+
+@needs_amx
+@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-int4"])
+def test_prefill_bf16_close_to_exact(precision):
+    exact = small_model("qwen3", precision, seed=5)
+    fast = bf16_model("qwen3", precision, seed=5)
+    assert fast.prefill_precision == "bf16" and fast.compile_key != exact.compile_key
+    assert "prefill_precision='bf16'" in repr(fast)
+    rng = np.random.default_rng(6)
+    prompt = list(rng.integers(0, 97, 90))
+    a, b = exact.logits(prompt), fast.logits(prompt)
+    assert not np.array_equal(a, b)
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+    assert abs(exact.nll(prompt) - fast.nll(prompt)) < 0.01
+    # switching back is exact again
+    fast.set_prefill_precision("exact")
+    assert np.array_equal(fast.logits(prompt), a) and fast.compile_key == exact.compile_key
+
+
+@needs_amx
+def test_prefill_bf16_same_bits_however_the_prompt_runs():
+    model = bf16_model("llama", seed=7)
+    one = bf16_model("llama", seed=7, threads=1)
+    rng = np.random.default_rng(8)
+    prompt = list(rng.integers(0, 97, 300))  # past one 256-token prefill chunk
+    last = model.logits(prompt)
+    assert np.array_equal(one.logits(prompt), last)
+    rows = model.logits_all(prompt)
+    assert np.array_equal(rows[-1], last)
+    for k in (1, 17, 256, 257):
+        assert np.array_equal(model.logits(prompt[:k]), rows[k - 1])
+    assert np.array_equal(model.paged_logits(prompt), last)
+
+
+@needs_amx
+def test_generation_after_bf16_prefill_agrees_across_session_kinds():
+    """Batched, paged (through eviction and forks) and speculative decoding
+    agree with plain sessions when both prefill in bf16: prompt tokens are
+    bf16 wherever they run, generated ones canonical."""
+    model = bf16_model("qwen3", seed=9)
+    rng = np.random.default_rng(10)
+    prompts = [list(rng.integers(0, 97, n)) for n in (37, 5, 61)]
+    solo = [model.create_session(p, 20).next_tokens(20) for p in prompts]
+    assert model.create_batch_session(prompts, 20).next_tokens(20) == solo
+    # speculation verifies generated tokens: canonical, as plain decoding
+    rep = prompts[0] * 3
+    plain = model.create_session(rep, 24).next_tokens(24)
+    assert model.create_session(rep, 24).next_tokens(24, spec_k=4) == plain
+    # paged, with an eviction (the recompute runs the prompt part in bf16
+    # and the generated part canonically, as they first ran)
+    dense = model.create_session(prompts[0], 30)
+    paged = model.create_paged_session(prompts[0], 30)
+    assert paged.next_tokens(10) == dense.next_tokens(10)
+    child_prompt = prompts[0] + [5, 6, 7]
+    child = model.create_paged_fork_session(child_prompt, 12, src=paged, prefix_len=33)
+    assert child.next_tokens(12) == model.create_session(child_prompt, 12).next_tokens(12)
+    pool = model.paged_pool()
+    assert pool.evict_one(-1) != -1 and pool.evict_one(-1) != -1
+    assert paged.next_tokens(10) == dense.next_tokens(10)
+    assert paged.recomputes == 1
+    assert np.array_equal(paged.last_logits, dense.last_logits)
+    # and the bf16 prompt really changes what follows it
+    exact = small_model("qwen3", seed=9)
+    ref = exact.create_session(prompts[0], 1)
+    ref.next_tokens(1)
+    s = model.create_session(prompts[0], 1)
+    s.next_tokens(1)
+    assert not np.array_equal(ref.last_logits, s.last_logits)
+
+
+def test_cli_prefill_precision(data_dir, capsys):
+    """--prefill-precision: bf16 perplexity close to exact; a note, not an
+    error, where bf16 cannot run."""
+    import json
+
+    from cism import cli
+    stories = data_dir / "models" / "stories260K" / "stories260K.bin"
+    f = data_dir / "corpora" / "tinyshakespeare.txt"
+
+    def ppl(*extra):
+        code = cli.main(["perplexity", "--model", str(stories), "--file", str(f), "--ctx", "64",
+                         "--chunks", "4", "--json", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        r = json.loads(out)
+        assert r["prefill_precision"] == (extra[-1] if extra and bf16_available() else "exact")
+        return r["ppl"], err
+
+    exact, _ = ppl()
+    fast, err = ppl("--prefill-precision", "bf16")
+    if bf16_available():
+        assert fast != exact and abs(fast - exact) < 0.01 * exact and not err
+    else:
+        assert fast == exact and "prefill stays exact" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(stories), "--prompt", "x", "--prefill-precision", "fp8"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
