@@ -63,7 +63,7 @@ cdef extern from "kernels.h" nogil:
                                        size_t n) noexcept nogil
     ctypedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
-    ctypedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out) noexcept nogil
+    ctypedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out, size_t stride) noexcept nogil
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
     ctypedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n) noexcept nogil
 

@@ -186,18 +186,21 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         a8.ldq = qlen
         a8.ldqs = qblocks
     if mode & ACT_BF16:
-        # every activation row as bf16, rows past T zero (tiles read 32 at a time)
+        # every activation row as bf16 in A-tile blocks (cism_act in
+        # csrc/kernels.h): 16 tokens x 32 elements per contiguous 1 KiB, so
+        # each tile load reads one sequential KiB; tokens past T are zero
+        # (tiles read 32 at a time)
         if grow(<void**>&s.xb, &s.capb, cism_bf16_rows(T) * blen * sizeof(uint16_t)):
             return -1
+        memset(s.xb + (T // 16) * 16 * blen, 0, (cism_bf16_rows(T) - (T // 16) * 16) * blen * sizeof(uint16_t))
         if threads > 1 and T > 1:
             for t in prange(T, schedule='static', num_threads=threads):
-                k.pack_bf16(X + t * ldx, cols, s.xb + t * blen)
+                k.pack_bf16(X + t * ldx, cols, s.xb + (t // 16) * 16 * blen + (t % 16) * 32, 512)
         else:
             for t in range(T):
-                k.pack_bf16(X + t * ldx, cols, s.xb + t * blen)
-        memset(s.xb + T * blen, 0, (cism_bf16_rows(T) - T) * blen * sizeof(uint16_t))
+                k.pack_bf16(X + t * ldx, cols, s.xb + (t // 16) * 16 * blen + (t % 16) * 32, 512)
         a32.xb = s.xb
-        a32.ldb = blen
+        a32.ldb = 16 * blen
     if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
         # Each thread takes one contiguous share of the chunks, so the kernel
         # gets each matrix's part of it in one call: decode can spread its

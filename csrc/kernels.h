@@ -54,7 +54,10 @@ typedef struct cism_act {
     const int8_t *q8;     /* q8 rows, zero padded to cism_act_len(cols), row stride ldq */
     const float *qscale;  /* per-block scales, row stride ldqs */
     size_t ldq, ldqs;
-    const uint16_t *xb;   /* bf16 rows (pack_bf16), cism_bf16_rows(T) of them, row stride ldb */
+    /* bf16 activations in A-tile blocks (pack_bf16): tokens 16g..16g+15,
+     * elements 32kb..32kb+31 are the 1 KiB block at xb + g * ldb + 512 kb
+     * (16 rows of 32); cism_bf16_rows(T) tokens, zero past T */
+    const uint16_t *xb;
     size_t ldb;
     int *err;             /* bf16 kernels set *err = 1 when they cannot get scratch */
 } cism_act;
@@ -76,8 +79,9 @@ typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const f
  * scales, zero beyond n (so kernels may read whole vectors). */
 typedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales);
 typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
-/* n floats as cism_bf16_len(n) bfloat16 (nearest even, zero beyond n). */
-typedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out);
+/* n floats as cism_bf16_len(n) bfloat16 (nearest even, zero beyond n);
+ * elements 32kb..32kb+31 go to out + kb * stride. */
+typedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out, size_t stride);
 /* y = f(x), elementwise; y may alias x. */
 typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
 /* y = f(a) * b, elementwise; y may alias a or b. */

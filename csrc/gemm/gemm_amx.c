@@ -15,7 +15,7 @@
  *     canonical path.
  *
  * Layout: C (16 tokens x 16 rows, fp32) += A (16 tokens x 32 k, bf16, the
- * activations row-major, stride CISM_BF16 padded columns) . B (16 k pairs x
+ * activations in contiguous 1 KiB blocks, see cism_act) . B (16 k pairs x
  * 16 rows x 2, the weights in the "VNNI" pair layout). A is packed once per
  * call by the caller (pack_bf16); each 32-row block of weights is
  * dequantized, rounded and transposed into B blocks once per call, then
@@ -64,11 +64,11 @@ ALWAYS_INLINE __m512i bf16_32(const float *x, size_t n) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-static void pack_bf16_amx(const float *x, size_t n, uint16_t *out) {
+static void pack_bf16_amx(const float *x, size_t n, uint16_t *out, size_t stride) {
     const size_t len = cism_bf16_len(n);
     for (size_t k = 0; k < len; k += 32) {
         const size_t left = k < n ? n - k : 0;
-        _mm512_storeu_si512((void *)(out + k), bf16_32(x + k, left));
+        _mm512_storeu_si512((void *)(out + k / 32 * stride), bf16_32(x + k, left));
     }
 }
 
@@ -149,7 +149,6 @@ ALWAYS_INLINE void store_c(const float *c, size_t tn, size_t rn, const float *sc
 ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
                                  size_t T, float *Y, size_t ldy) {
     const size_t n = W->cols, kp = cism_bf16_len(n), kblocks = kp / 32;
-    const size_t lda = A->ldb * sizeof(uint16_t);
     if (T == 0 || r1 <= r0) return;
     /* B blocks of 32 rows, the dequantized rows, four C tiles */
     const size_t b_bytes = (AMX_ROWS / 16) * kblocks * 1024;
@@ -171,7 +170,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
         pack_weights(S, W, r, R, fbuf, B);
         const uint16_t *B0 = B, *B1 = B + kblocks * 512;
         for (size_t t = 0; t < T; t += 32) {
-            const uint16_t *A0 = A->xb + t * A->ldb, *A1 = A0 + 16 * A->ldb;
+            const uint16_t *A0 = A->xb + t / 16 * A->ldb, *A1 = A0 + A->ldb;
             const int two = T - t > 16;
             _tile_zero(0);
             _tile_zero(1);
@@ -179,8 +178,8 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
             _tile_zero(3);
             if (two) {
                 for (size_t kb = 0; kb < kblocks; kb++) {
-                    _tile_loadd(4, A0 + 32 * kb, lda);
-                    _tile_loadd(5, A1 + 32 * kb, lda);
+                    _tile_loadd(4, A0 + 512 * kb, 64);
+                    _tile_loadd(5, A1 + 512 * kb, 64);
                     _tile_loadd(6, B0 + 512 * kb, 64);
                     _tile_loadd(7, B1 + 512 * kb, 64);
                     _tile_dpbf16ps(0, 4, 6);
@@ -190,7 +189,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
                 }
             } else {
                 for (size_t kb = 0; kb < kblocks; kb++) {
-                    _tile_loadd(4, A0 + 32 * kb, lda);
+                    _tile_loadd(4, A0 + 512 * kb, 64);
                     _tile_loadd(6, B0 + 512 * kb, 64);
                     _tile_loadd(7, B1 + 512 * kb, 64);
                     _tile_dpbf16ps(0, 4, 6);
