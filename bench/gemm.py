@@ -1,0 +1,66 @@
+"""Prefill gemm: GFLOP/s of the exact multi-token kernels against the opt-in
+bf16 (AMX) kernel on the same matrix and tokens, in the same run.
+
+    python bench/gemm.py [--threads 1] [--tokens 256] [--repeats 5] [--json]
+
+Shapes are SmolLM2's and Qwen3-0.6B's projections, random weights. The bf16
+column is absent where the CPU has no AMX-BF16 (cism.matrix.bf16_available).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from cism.matrix import Matrix, bf16_available
+
+SHAPES = [(576, 1536, "SmolLM2 down"), (1536, 576, "SmolLM2 gate/up"),
+          (2048, 1024, "Qwen3 q"), (1024, 3072, "Qwen3 down")]
+
+
+def gflops(m, X, threads, repeats):
+    m.gemm(X, threads=threads)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        m.gemm(X, threads=threads)
+        times.append(time.perf_counter() - t)
+    return 2 * m.rows * m.cols * X.shape[0] / statistics.median(times) / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--storages", nargs="+", default=["fp32", "int8", "int4"])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    bf16 = bf16_available()
+    rows = []
+    for storage in args.storages:
+        for r, c, name in SHAPES:
+            m = Matrix(rng.standard_normal((r, c)).astype(np.float32), storage)
+            X = rng.standard_normal((args.tokens, c)).astype(np.float32)
+            exact = gflops(m, X, args.threads, args.repeats)
+            fast = None
+            if bf16:
+                m.act_precision = "bf16"
+                fast = gflops(m, X, args.threads, args.repeats)
+            rows.append({"storage": storage, "rows": r, "cols": c, "shape": name,
+                         "exact_gflops": exact, "bf16_gflops": fast,
+                         "ratio": fast / exact if fast else None})
+    if args.json:
+        print(json.dumps({"threads": args.threads, "tokens": args.tokens, "results": rows}, indent=1))
+        return
+    print(f"{args.tokens} tokens, {args.threads} thread(s); GFLOP/s (median of {args.repeats})")
+    print(f"{'storage':7} {'rows x cols':>12} {'':16} {'exact':>7} {'bf16':>7} {'x':>5}")
+    for x in rows:
+        b = f"{x['bf16_gflops']:7.0f} {x['ratio']:5.2f}" if x["bf16_gflops"] else f"{'-':>7} {'-':>5}"
+        print(f"{x['storage']:7} {x['rows']:5d} x {x['cols']:<5d} {x['shape']:16} {x['exact_gflops']:7.0f} {b}")
+
+
+if __name__ == "__main__":
+    main()
