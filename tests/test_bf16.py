@@ -83,6 +83,15 @@ def test_matrix_bf16_extremes():
     want, mag = emulate(m, X)
     assert np.all(np.isfinite(Y)) and np.all(np.abs(Y - want) <= 2e-6 * mag)
     assert not np.any(m.gemm(np.zeros((2, 96), np.float32)))
+    # subnormal activations and weights count as zero (the conversion flushes them)
+    big = Matrix(np.full((16, 32), 1e30, np.float32), "fp32")
+    big.act_precision = "bf16"
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 1e-39
+    assert not np.any(big.gemm(x))
+    tiny = Matrix(np.full((16, 32), 1e-39, np.float32), "fp32")
+    tiny.act_precision = "bf16"
+    assert not np.any(tiny.gemm(np.full((1, 32), 1e30, np.float32)))
 
 
 def test_matrix_bf16_refused_where_unavailable():
