@@ -239,3 +239,16 @@ def test_cli_prefill_precision(data_dir, capsys):
         cli.main(["generate", "--model", str(stories), "--prompt", "x", "--prefill-precision", "fp8"])
     assert e.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_cli_prefill_precision_is_for_dense_models(tmp_path, capsys):
+    """A recurrent model asked for bf16 prefill: one line naming the problem."""
+    from cism import cli
+    from test_fwkv import config, save_dir, weights
+    c = config()
+    d = save_dir(tmp_path / "fwkv", c, weights(c, 0))
+    f = tmp_path / "t.txt"
+    f.write_text("hello world " * 50)
+    code = cli.main(["perplexity", "--model", str(d), "--file", str(f), "--prefill-precision", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == "cism: error: --prefill-precision bf16 is for dense models, not fwkv"
