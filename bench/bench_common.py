@@ -1,6 +1,19 @@
 """Helpers for the bench scripts."""
 import importlib.util
 import os
+import statistics
+import time
+
+
+def median_seconds(fn, repeats):
+    """Median wall time of fn() over `repeats` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def default_model():

@@ -8,11 +8,10 @@ column is absent where the CPU has no AMX-BF16 (cism.matrix.bf16_available).
 """
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
+from bench_common import median_seconds
 from cism.matrix import Matrix, bf16_available
 
 SHAPES = [(576, 1536, "SmolLM2 down"), (1536, 576, "SmolLM2 gate/up"),
@@ -20,13 +19,8 @@ SHAPES = [(576, 1536, "SmolLM2 down"), (1536, 576, "SmolLM2 gate/up"),
 
 
 def gflops(m, X, threads, repeats):
-    m.gemm(X, threads=threads)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        m.gemm(X, threads=threads)
-        times.append(time.perf_counter() - t)
-    return 2 * m.rows * m.cols * X.shape[0] / statistics.median(times) / 1e9
+    secs = median_seconds(lambda: m.gemm(X, threads=threads), repeats)
+    return 2 * m.rows * m.cols * X.shape[0] / secs / 1e9
 
 
 def main(argv=None):

@@ -10,26 +10,15 @@ loop, so the ratio to read bandwidth is the fraction of the roofline reached.
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import numpy as np
 
+from bench_common import median_seconds
 from cism import _kernels
 from cism.matrix import Matrix
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
-
-
-def time_gemv(m, x, threads, repeats):
-    m.gemv(x, threads=threads)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        m.gemv(x, threads=threads)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -51,7 +40,7 @@ def main(argv=None):
         for act in (("fp32",) if storage in ("fp32", "fp16") else ("fp32", "int8")):
             m.act_precision = act
             for t in args.threads:
-                secs = time_gemv(m, x, t, args.repeats)
+                secs = median_seconds(lambda: m.gemv(x, threads=t), args.repeats)
                 gbs = m.nbytes / secs / 1e9
                 rows.append({"storage": storage, "act_precision": act, "threads": t,
                              "bytes": m.nbytes, "ms": secs * 1e3, "gb_per_s": gbs,
