@@ -139,11 +139,10 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     if mode & ACT_BF16 and k.gemm_bf16 == NULL:
         mode = mode & ACT_Q8
     for i in range(count):
-        if mode & ACT_BF16:
-            pass
-        elif mode & ACT_Q8 and W[i].storage == CISM_INT8:
+        # (the bf16 kernel takes its own activations, whatever the storage)
+        if mode == ACT_Q8 and W[i].storage == CISM_INT8:
             need8 = True
-        elif mode & ACT_Q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
+        elif mode == ACT_Q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
             need16 = True
         starts[i] = total
         total += cism_div_up(W[i].rows, CHUNK)

@@ -230,10 +230,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
     }
 }
 
-ALWAYS_INLINE void rows_f32(const int S, const int R, const int TM, const cism_mat *W, size_t r,
-                            const float *X, size_t ldx, size_t T, float *Y, size_t ldy) {
+ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t r, const float *X,
+                            size_t ldx, size_t T, float *Y, size_t ldy) {
     size_t t = 0;
-    for (; t + TM <= T; t += TM) tile_f32(S, R, TM, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
+    for (; t + 4 <= T; t += 4) tile_f32(S, R, 4, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
     switch (T - t) {
     case 3: tile_f32(S, R, 3, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
     case 2: tile_f32(S, R, 2, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
@@ -362,7 +362,7 @@ ALWAYS_INLINE void rows_deq(const int S, const int R, const cism_mat *W, size_t 
     const cism_mat F = {CISM_FP32, (size_t)R, W->cols, sc->rows, W->cols * sizeof(float), 0,
                         S == CISM_INT8 ? W->scales + r : NULL};
     if (R == 6 && W->cols > TILE6_MAX_COLS) rows6_kblocked(&F, 0, X, ldx, T, Y + r, ldy, sc->keep);
-    else rows_f32(CISM_FP32, R, 4, &F, 0, X, ldx, T, Y + r, ldy);
+    else rows_f32(CISM_FP32, R, &F, 0, X, ldx, T, Y + r, ldy);
 }
 
 /* Rows r..r+R-1 (R <= 6) for tn tokens: through the buffer (DEQ) or
@@ -373,7 +373,7 @@ ALWAYS_INLINE void rows_tiled(const int S, const int DEQ, const int R, const cis
     if (DEQ) rows_deq(S, R, W, r, X, ldx, tn, Y, ldy, sc);
     else if (S == CISM_FP32 && R == 6 && W->cols > TILE6_MAX_COLS)
         rows6_kblocked(W, r, X, ldx, tn, Y, ldy, sc->keep);
-    else rows_f32(S, R, 4, W, r, X, ldx, tn, Y, ldy);
+    else rows_f32(S, R, W, r, X, ldx, tn, Y, ldy);
 }
 
 /* Rows r0..r1: 6-row tiles (when SIX), then 4-row tiles, then one tile of
@@ -431,8 +431,8 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
             else rows_range(S, 1, 0, W, r0, r1, X, A->ldx, tn, Yc, ldy, &sc);
         } else { /* few tokens, very long rows or no scratch: packed rows read directly */
             size_t r = r0;
-            for (; r + 4 <= r1; r += 4) rows_f32(S, 4, 4, W, r, X, A->ldx, tn, Yc, ldy);
-            for (; r < r1; r++) rows_f32(S, 1, 4, W, r, X, A->ldx, tn, Yc, ldy);
+            for (; r + 4 <= r1; r += 4) rows_f32(S, 4, W, r, X, A->ldx, tn, Yc, ldy);
+            for (; r < r1; r++) rows_f32(S, 1, W, r, X, A->ldx, tn, Yc, ldy);
         }
     }
     free(mem);
