@@ -22,14 +22,17 @@
  *   q8:  scale = absmax/127,   q = clamp(rintf(x * (127/absmax)), +-127)
  * (an all-zero block gets q = 0 and scale 0, and so does a block so small
  * that qmax/absmax overflows: its values are below 1e-34). The integer products are exact;
- * only the float accumulation has an order, again 16 lanes:
+ * only the float accumulation has an order. int4 and fp4 use 16 lanes:
  *   int4 x q16, block b: lane j (0..15) += fma((float)(w[2j]a[2j] + w[2j+1]a[2j+1]),
  *                                            wscale_b * ascale_b)
  *   fp4 x q16, fp4 block b (16 elements): lane 8*(b%2)+j (j<8) takes pair j of
  *       the block with scale (e4m3(byte_b) * 0.5f) * ascale_(b/2)
- *   int8 x q8, block b: lane 8*(b%2)+j (j<8) takes the four products 4j..4j+3
- *       with scale ascale_b; the finished dot is multiplied by the row scale.
- * followed by the same reduction tree. fp32/fp16 weights ignore the switch.
+ * followed by the same reduction tree. int8 x q8 has one accumulator per dot:
+ *   acc = +0; for block b in order: acc = fma((float)s_b, ascale_b, acc), where
+ *   s_b = sum of the block's 32 integer products (exact in int32, so any
+ *   summation order gives it: VNNI lanes, the AMX tile unit, a scalar loop);
+ *   the finished dot is multiplied by the row scale.
+ * fp32/fp16 weights ignore the switch.
  *
  * Vector activations (max errors against the double-precision function are
  * stated in act_ref.c and checked by tests/test_activations.py).

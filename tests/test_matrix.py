@@ -6,6 +6,7 @@ arithmetic of csrc/kernels.h, so results are compared with the scalar
 reference BIT FOR BIT. Accuracy against float64 is a separate table below.
 """
 import threading
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -301,6 +302,40 @@ def test_error_against_float64(storage, act):
     want = X.astype(np.float64) @ W.astype(np.float64).T
     nmse = np.sum((got - want) ** 2) / np.sum(want ** 2)
     assert nmse < NMSE_BOUND[(storage, act)], nmse
+
+
+def f32_round(x):
+    """The float32 nearest the exact rational x (ties to even)."""
+    f = np.float32(float(x))
+    near = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+    return min(near, key=lambda c: (abs(Fraction(float(c)) - x), int(np.array(c).view(np.uint32)) & 1))
+
+
+def test_int8_activations_follow_the_one_chain_rule(isa_level):
+    """int8 weights x q8 activations (csrc/kernels.h): per 32-element block
+    the exact integer sum of its products, then one fma chain over the
+    blocks, then the row scale; stated here with exact rationals and compared
+    bit for bit on every ISA (the AMX tiles too: 40 tokens)."""
+    r = rng(13)
+    rows, cols, T = 19, 100, 40  # a 4-element tail block, 16 + 3 rows
+    W = r.standard_normal((rows, cols)).astype(np.float32)
+    X = (r.standard_normal((T, cols)) * np.linspace(0.01, 30, cols)).astype(np.float32)
+    q, s = np_int8(W)
+    acts = [_kernels.quantize(x, 8) for x in X]
+    want = np.zeros((T, rows), np.float32)
+    for t, (a, ascale) in enumerate(acts):
+        for i in range(rows):
+            acc = np.float32(0)
+            for b in range(0, cols, 32):
+                blk = int(np.dot(q[i, b:b + 32].astype(np.int64), a[b:min(b + 32, cols)].astype(np.int64)))
+                acc = f32_round(Fraction(blk) * Fraction(float(ascale[b // 32])) + Fraction(float(acc)))
+            want[t, i] = acc * s[i]
+    m = Matrix(W, "int8")
+    m.act_precision = "int8"
+    for isa in ISAS:
+        isa_level(isa)
+        assert same_bits(m.gemm(X), want), isa
+        assert same_bits(m.gemv(X[7]), want[7]), isa
 
 
 def test_tiny_activation_blocks_quantize_to_zero(isa_level):

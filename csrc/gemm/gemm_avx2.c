@@ -275,45 +275,61 @@ GEMM_F32(gemm_fp4_avx2, CISM_FP4)
 
 enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP4 = 2 }; /* weights x q8, x q16, x q16 */
 
-/* int8 x q8, one 64-byte unit = blocks 2u (lo lanes) and 2u+1 (hi lanes); in
- * each 32-byte block lane j takes the four products 4j..4j+3.
- * maddubs(|a|, sign(a) w) pairs stay within int16 (|a|, |w| <= 127), so it
- * never saturates. sign_epi8 also zeroes w where a == 0 (product 0 anyway). */
-ALWAYS_INLINE __m256 dot4_i8(__m256i a_abs, __m256i a, __m256i w) {
+/* int8 x q8, one 32-byte block per step: lane j first holds the exact sum of
+ * the products 4j..4j+3. maddubs(|a|, sign(a) w) pairs stay within int16
+ * (|a|, |w| <= 127), so it never saturates. sign_epi8 also zeroes w where
+ * a == 0 (product 0 anyway). */
+ALWAYS_INLINE __m256i dot4_i8(__m256i a_abs, __m256i a, __m256i w) {
     const __m256i p16 = _mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(w, a));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
+/* Lane p of the result = the sum of v[p]'s 8 lanes (integers: any order). */
+ALWAYS_INLINE __m256i block_sums8(const __m256i v[8]) {
+    __m256i a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* b[i], 128-bit half L: the sums of half L of v4i .. v4i+3 */
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20),
+                            _mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
+/* An R x TT tile of int8 x q8 dots (R * TT <= 8), one accumulator lane per
+ * dot (the canonical chain over blocks): dot p = i * TT + j in lane p. */
 ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                              const cism_act *A, size_t t, float *Y, size_t ldy) {
-    const size_t units = cism_div_up(W->cols, 64);
-    const uint8_t *rows[MAX_R];
-    __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
-    for (int i = 0; i < R; i++) {
-        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-        for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
-    }
-    for (size_t u = 0; u < units; u++) {
-        for (int h = 0; h < 2; h++) {
-            __m256i a[MAX_T], aa[MAX_T];
-            __m256 sc[MAX_T];
-            for (int j = 0; j < TT; j++) {
-                a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 64 * u + 32 * h));
-                aa[j] = _mm256_abs_epi8(a[j]);
-                sc[j] = _mm256_set1_ps(A->qscale[(t + j) * A->ldqs + 2 * u + h]);
-            }
-            for (int i = 0; i < R; i++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[i] + 64 * u + 32 * h));
-                for (int j = 0; j < TT; j++) {
-                    const __m256 s = dot4_i8(aa[j], a[j], w);
-                    if (h == 0) lo[i][j] = _mm256_fmadd_ps(s, sc[j], lo[i][j]);
-                    else hi[i][j] = _mm256_fmadd_ps(s, sc[j], hi[i][j]);
-                }
-            }
+    const size_t blocks = cism_div_up(W->cols, 32);
+    const int P = R * TT;
+    const uint8_t *rows[8];
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+    for (size_t b = 0; b < blocks; b++) {
+        __m256i a[8], aa[8], v[8];
+        float sc[8];
+        for (int j = 0; j < TT; j++) {
+            a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 32 * b));
+            aa[j] = _mm256_abs_epi8(a[j]);
+            sc[j] = A->qscale[(t + j) * A->ldqs + b];
         }
+        for (int i = 0; i < R; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[i] + 32 * b));
+            for (int j = 0; j < TT; j++) v[i * TT + j] = dot4_i8(aa[j], a[j], w);
+        }
+        for (int p = P; p < 8; p++) v[p] = _mm256_setzero_si256();
+        const __m256 s = _mm256_setr_ps(sc[0 % TT], sc[1 % TT], sc[2 % TT], sc[3 % TT], sc[4 % TT], sc[5 % TT],
+                                        sc[6 % TT], sc[7 % TT]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums8(v)), s, acc);
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]) * W->scales[r + i * rs];
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int p = 0; p < P; p++) {
+        const size_t row = r + (size_t)(p / TT) * rs;
+        Y[(t + p % TT) * ldy + row] = out[p] * W->scales[row];
+    }
 }
 
 /* int4 x q16, one 32-element block: lo = elements 0-15 (pairs -> lanes 0-7),
@@ -427,13 +443,15 @@ ALWAYS_INLINE void rows_q(const int kind, const int R, const int TT, const cism_
 ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size_t r1,
                               const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
-        const size_t L = (r1 - r0) / DECODE_ROWS_Q; /* spread rows, as above */
-        for (size_t j = 0; j < L; j++) tile_q(kind, DECODE_ROWS_Q, 1, W, r0 + j, L, A, 0, Y, ldy);
-        for (size_t r = r0 + DECODE_ROWS_Q * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
+        /* spread rows, as above; int8 sums 8 dots' blocks at once */
+        const int RD = kind == Q_INT8 ? 8 : DECODE_ROWS_Q;
+        const size_t L = (r1 - r0) / RD;
+        for (size_t j = 0; j < L; j++) tile_q(kind, RD, 1, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + RD * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
-    /* int8 rows are cheap to expand: more rows per activation; 4-bit: more tokens */
-    const int R = kind == Q_INT8 ? 3 : 2, TT = kind == Q_INT8 ? 2 : 3;
+    /* int8: 4 x 2 tiles (the 8 dots of one block sum); 4-bit: more tokens */
+    const int R = kind == Q_INT8 ? 4 : 2, TT = kind == Q_INT8 ? 2 : 3;
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
         size_t r = r0;

@@ -451,7 +451,8 @@ GEMM_F32(gemm_fp4_avx512, CISM_FP4)
 
 /* ---- quantized activations ---- */
 
-/* int8 x q8, one 64-byte unit = blocks 2u (lanes 0-7) and 2u+1 (lanes 8-15).
+/* int8 x q8, one 64-byte unit = blocks 2u (lanes 0-7) and 2u+1 (lanes 8-15):
+ * each lane first holds the exact integer sum of four products.
  * |a| * (sign(a) w) keeps every pair sum within int16 (|a|, |w| <= 127), so
  * maddubs never saturates and matches the VNNI dpbusd exactly. */
 ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed, const int vnni) {
@@ -462,70 +463,93 @@ ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed, const int vnni)
     return _mm512_madd_epi16(_mm512_maddubs_epi16(a_abs, w_signed), _mm512_set1_epi16(1));
 }
 
+/* The block sums of 8 dots at once: v[p] holds dot p's four-product lane
+ * sums of one unit; the result holds in lane p the sum of v[p]'s lanes 0-7
+ * (block 2u) and in lane 8 + p that of lanes 8-15 (block 2u+1). Integer
+ * additions, so the order is free. */
+ALWAYS_INLINE __m512i block_sums8(const __m512i v[8]) {
+    __m512i a[4], b[2];
+    /* a[i], 128-bit lane L: [v2i, v2i+1, v2i, v2i+1] partial sums of lane L */
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* b[i], 128-bit lane L: the sums of lane L of v4i .. v4i+3 */
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    /* [block 2u of v0-3, block 2u+1 of v0-3, block 2u of v4-7, block 2u+1 of v4-7] */
+    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88),
+                                       _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
+    return _mm512_shuffle_i32x4(s, s, 0xd8);
+}
+
+/* An R x TT tile of int8 x q8 dots (R * TT <= 16): rows r, r + rs, ...,
+ * tokens t..t+TT-1; dot p = i * TT + j sits in lane p % 8 of acc[p / 8]. */
 ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                              const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t units = cism_div_up(W->cols, 64);
+    const int P = R * TT, G = (P + 7) / 8;
     const uint8_t *rows[8];
-    __m512 acc[8][4];
-    for (int i = 0; i < R; i++) {
-        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
-    }
-    const __mmask16 lo_half = 0x00ff;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+    for (size_t u = 0; u < units; u++) {
+        __m512i v[16];
+        float sa[4], sb[4];
+        for (int j = 0; j < TT; j++) {
+            const float *as = A->qscale + (t + j) * A->ldqs + 2 * u;
+            sa[j] = as[0];
+            sb[j] = as[1];
+        }
 #ifdef __AVX512VNNI__
-    if (VNNI) {
-        /* vpdpbusd multiplies unsigned by signed bytes: the weights go in as
-         * w + 128 (w ^ 0x80, in 1..255) and each sum starts from
-         * -128 * (the activations' group sum), so it ends at exactly
-         * sum(w * a), the same integers as the sign-transfer path below,
-         * with one instruction less per (row, token) */
-        const __m512i bias = _mm512_set1_epi8((char)0x80);
-        for (size_t u = 0; u < units; u++) {
+        if (VNNI) {
+            /* vpdpbusd multiplies unsigned by signed bytes: the weights go in
+             * as w + 128 (w ^ 0x80) and each sum starts from -128 * (the
+             * activations' group sum), so it ends at exactly sum(w * a) */
+            const __m512i bias = _mm512_set1_epi8((char)0x80);
             __m512i a[4], start[4];
-            __m512 sc[4];
             for (int j = 0; j < TT; j++) {
                 a[j] = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
                 start[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, a[j]));
-                const float *as = A->qscale + (t + j) * A->ldqs + 2 * u;
-                sc[j] = _mm512_mask_blend_ps(lo_half, _mm512_set1_ps(as[1]), _mm512_set1_ps(as[0]));
             }
             for (int i = 0; i < R; i++) {
                 const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rows[i] + 64 * u)), bias);
-                for (int j = 0; j < TT; j++) {
-                    const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[j], w, a[j]));
-                    acc[i][j] = _mm512_fmadd_ps(s, sc[j], acc[i][j]);
-                }
+                for (int j = 0; j < TT; j++) v[i * TT + j] = _mm512_dpbusd_epi32(start[j], w, a[j]);
             }
-        }
-    } else
+        } else
 #endif
-    for (size_t u = 0; u < units; u++) {
-        __m512i aa[4];
-        __mmask64 neg[4];
-        __m512 sc[4];
-        for (int j = 0; j < TT; j++) {
-            const __m512i a = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
-            aa[j] = _mm512_abs_epi8(a);
-            neg[j] = _mm512_movepi8_mask(a);
-            const float *as = A->qscale + (t + j) * A->ldqs + 2 * u;
-            sc[j] = _mm512_mask_blend_ps(lo_half, _mm512_set1_ps(as[1]), _mm512_set1_ps(as[0]));
-        }
-        for (int i = 0; i < R; i++) {
-            const __m512i w = _mm512_loadu_si512((const void *)(rows[i] + 64 * u));
+        {
+            __m512i aa[4];
+            __mmask64 neg[4];
             for (int j = 0; j < TT; j++) {
-                const __m512i ws = _mm512_mask_sub_epi8(w, neg[j], _mm512_setzero_si512(), w);
-                const __m512 s = _mm512_cvtepi32_ps(dot4_u8s8(aa[j], ws, VNNI));
-                acc[i][j] = _mm512_fmadd_ps(s, sc[j], acc[i][j]);
+                const __m512i a = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
+                aa[j] = _mm512_abs_epi8(a);
+                neg[j] = _mm512_movepi8_mask(a);
+            }
+            for (int i = 0; i < R; i++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(rows[i] + 64 * u));
+                for (int j = 0; j < TT; j++)
+                    v[i * TT + j] = dot4_u8s8(aa[j], _mm512_mask_sub_epi8(w, neg[j], _mm512_setzero_si512(), w), 0);
             }
         }
+        for (int p = P; p < 8 * G; p++) v[p] = _mm512_setzero_si512();
+        for (int g = 0; g < G; g++) {
+            const __m512 f = _mm512_cvtepi32_ps(block_sums8(v + 8 * g));
+            const int q = 8 * g;
+            const __m256 sca = _mm256_setr_ps(sa[(q + 0) % TT], sa[(q + 1) % TT], sa[(q + 2) % TT], sa[(q + 3) % TT],
+                                              sa[(q + 4) % TT], sa[(q + 5) % TT], sa[(q + 6) % TT], sa[(q + 7) % TT]);
+            const __m256 scb = _mm256_setr_ps(sb[(q + 0) % TT], sb[(q + 1) % TT], sb[(q + 2) % TT], sb[(q + 3) % TT],
+                                              sb[(q + 4) % TT], sb[(q + 5) % TT], sb[(q + 6) % TT], sb[(q + 7) % TT]);
+            acc[g] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), sca, acc[g]);
+            acc[g] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(f, 1), scb, acc[g]);
+        }
     }
-    if (R == 4 && rs == 1) {
-        store_tile4(acc, 4, TT, W->scales, r, Y + t * ldy, ldy);
-        return;
+    float out[16];
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(out + 8 * g, acc[g]);
+    for (int p = 0; p < P; p++) {
+        const size_t row = r + (size_t)(p / TT) * rs;
+        Y[(t + p % TT) * ldy + row] = out[p] * W->scales[row];
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]) * W->scales[r + i * rs];
 }
 
 /* int4 x q16, one 32-element block per step: lane j = pair (2j, 2j+1). */

@@ -38,19 +38,13 @@ static void gemm_int8_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism
         for (size_t t = 0; t < T; t++) {
             const int8_t *a = A->q8 + t * A->ldq;
             const float *as = A->qscale + t * A->ldqs;
-            float acc[16] = {0};
+            float acc = 0.0f;
             for (size_t b = 0; b < blocks; b++) {
-                for (size_t j = 0; j < 8; j++) {
-                    int32_t s = 0;
-                    for (size_t i = 0; i < 4; i++) {
-                        const size_t e = b * 32 + 4 * j + i;
-                        if (e < n) s += (int32_t)w[e] * a[e];
-                    }
-                    float *lane = &acc[8 * (b % 2) + j];
-                    *lane = fmaf((float)s, as[b], *lane);
-                }
+                int32_t s = 0; /* exact: |s| <= 32 * 127 * 127 */
+                for (size_t e = 32 * b; e < 32 * b + 32 && e < n; e++) s += (int32_t)w[e] * a[e];
+                acc = fmaf((float)s, as[b], acc);
             }
-            Y[t * ldy + r] = cism_reduce16(acc) * W->scales[r];
+            Y[t * ldy + r] = acc * W->scales[r];
         }
     }
 }
