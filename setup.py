@@ -43,7 +43,7 @@ ISA_FLAGS = {
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                    "-mavx512dq", "-mavx512vnni"],
     "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+            "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
 # Kernel sources: (path, ISA). x86 variants are skipped on other machines.
 KERNEL_SOURCES = [
@@ -85,13 +85,13 @@ def probe_openmp():
 
 
 def probe_amx():
-    """Whether the compiler takes the AMX and AVX512-BF16 flags and intrinsics
-    (GCC 11+, Clang 12+); without them the bf16 precision is not built."""
+    """Whether the compiler takes the AMX (tile, bf16, int8) and AVX512-BF16 flags
+    and intrinsics (GCC 11+, Clang 12+); without them the "amx" ISA level is not built."""
     if not X86 or os.environ.get("CISM_NO_AMX", "") not in ("", "0"):
         return False
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     src = ("#include <immintrin.h>\nint main(void){_tile_zero(0);_tile_release();"
-           "__m512 a=_mm512_setzero_ps();__m256bh b=_mm512_cvtneps_pbh(a);(void)b;return 0;}\n")
+           "_tile_dpbssd(0,1,2);__m512 a=_mm512_setzero_ps();__m256bh b=_mm512_cvtneps_pbh(a);(void)b;return 0;}\n")
     with tempfile.TemporaryDirectory() as tmp:
         c_path = os.path.join(tmp, "probe.c")
         with open(c_path, "w") as f:

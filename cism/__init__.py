@@ -54,7 +54,7 @@ def show_runtime(file=None):
     feats = _kernels.cpu_features()
     print(f"cism {__version__}", file=out)
     print(f"ISA in use: {_kernels.isa()} (best available: {_kernels.isa_max()}; "
-          "set CISM_ISA=ref|avx2|avx512|avx512vnni to cap it)", file=out)
+          "set CISM_ISA=ref|avx2|avx512|avx512vnni|amx to cap it)", file=out)
     print("CPU features: " + ", ".join(k for k, v in feats.items() if v), file=out)
     print(f"OpenMP: {'yes' if _kernels.OPENMP else 'NO (single-threaded build)'}; "
           f"default threads: {default_threads()}", file=out)

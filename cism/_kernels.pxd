@@ -38,6 +38,7 @@ cdef extern from "kernels.h" nogil:
         CISM_ISA_AVX2
         CISM_ISA_AVX512
         CISM_ISA_AVX512VNNI
+        CISM_ISA_AMX
 
     size_t cism_act_len(size_t n)
     size_t cism_bf16_len(size_t n)
@@ -94,7 +95,7 @@ cdef extern from "kernels.h" nogil:
 
     ctypedef struct cism_cpu:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile
-        int avx512bf16, amx_bf16
+        int avx512bf16, amx_bf16, amx_int8
         int os_avx, os_avx512, os_amx
         int amx_granted
 

@@ -34,7 +34,7 @@ if cism_init() != 0:
 cdef const cism_kernels *kernel_table() noexcept nogil:
     return cism_table()
 
-ISA_LEVELS = ("ref", "avx2", "avx512", "avx512vnni")
+ISA_LEVELS = ("ref", "avx2", "avx512", "avx512vnni", "amx")
 
 
 def isa():
@@ -72,7 +72,7 @@ def cpu_features():
         "avx512vl": bool(c.avx512vl), "avx512dq": bool(c.avx512dq),
         "avx512vnni": bool(c.avx512vnni), "avx_vnni": bool(c.avx_vnni),
         "amx_tile (OS state)": bool(c.amx_tile),
-        "avx512_bf16": bool(c.avx512bf16), "amx_bf16": bool(c.amx_bf16),
+        "avx512_bf16": bool(c.avx512bf16), "amx_bf16": bool(c.amx_bf16), "amx_int8": bool(c.amx_int8),
         "amx granted": bool(c.amx_granted),
     }
 

@@ -24,10 +24,10 @@ static int level_in_use = -1;
 static int level_max = CISM_ISA_REF;
 static const char *isa_error = "";
 
-static const char *const level_names[] = {"ref", "avx2", "avx512", "avx512vnni"};
+static const char *const level_names[] = {"ref", "avx2", "avx512", "avx512vnni", "amx"};
 
 const char *cism_isa_name(int level) {
-    return (level >= 0 && level <= CISM_ISA_AVX512VNNI) ? level_names[level] : "?";
+    return (level >= 0 && level <= CISM_ISA_AMX) ? level_names[level] : "?";
 }
 
 #ifdef CISM_X86
@@ -66,6 +66,7 @@ static void detect(void) {
         cpu.avx512vnni = (c >> 11) & 1;
         cpu.amx_tile = (d >> 24) & 1;
         cpu.amx_bf16 = (d >> 22) & 1;
+        cpu.amx_int8 = (d >> 25) & 1;
         __cpuid_count(7, 1, a, b, c, d);
         cpu.avx_vnni = (a >> 4) & 1;
         cpu.avx512bf16 = (a >> 5) & 1;
@@ -74,11 +75,11 @@ static void detect(void) {
     if (!cpu.os_avx512) cpu.avx512f = cpu.avx512dq = cpu.avx512bw = cpu.avx512vl = cpu.avx512vnni = 0;
     if (!cpu.os_avx) cpu.avx_vnni = 0;
     if (!cpu.os_avx512) cpu.avx512bf16 = 0;
-    if (!cpu.os_amx) cpu.amx_tile = cpu.amx_bf16 = 0;
+    if (!cpu.os_amx) cpu.amx_tile = cpu.amx_bf16 = cpu.amx_int8 = 0;
 #if defined(__linux__) && defined(CISM_HAVE_AMX)
     /* Linux hands out the tile state (8 KiB per thread) only on request;
      * once granted it holds for every thread of the process. */
-    if (cpu.amx_tile && cpu.amx_bf16 && cpu.avx512bf16)
+    if (cpu.amx_tile && cpu.amx_bf16 && cpu.amx_int8 && cpu.avx512bf16)
         cpu.amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                   18 /* XFEATURE_XTILEDATA */) == 0;
 #endif
@@ -86,6 +87,7 @@ static void detect(void) {
     if (level_max == CISM_ISA_AVX2 && cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq)
         level_max = CISM_ISA_AVX512;
     if (level_max == CISM_ISA_AVX512 && cpu.avx512vnni) level_max = CISM_ISA_AVX512VNNI;
+    if (level_max == CISM_ISA_AVX512VNNI && cpu.amx_granted) level_max = CISM_ISA_AMX;
 #endif
 }
 
@@ -98,8 +100,7 @@ static void fill(int level) {
     if (level >= CISM_ISA_AVX512) { cism_fill_gemm_avx512(&table); cism_fill_act_avx512(&table); }
     if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_avx512vnni(&table);
 #ifdef CISM_HAVE_AMX
-    /* the bf16 precision rides on the top level: CISM_ISA below it turns it off */
-    if (level >= CISM_ISA_AVX512VNNI && cpu.amx_granted) cism_fill_gemm_amx(&table);
+    if (level >= CISM_ISA_AMX) cism_fill_gemm_amx(&table);
 #endif
 #endif
     level_in_use = level;
@@ -112,10 +113,10 @@ int cism_init(void) {
     const char *env = getenv("CISM_ISA");
     if (env && *env) {
         int wanted = -1;
-        for (int i = 0; i <= CISM_ISA_AVX512VNNI; i++)
+        for (int i = 0; i <= CISM_ISA_AMX; i++)
             if (strcmp(env, level_names[i]) == 0) wanted = i;
         if (wanted < 0) {
-            isa_error = "CISM_ISA must be one of ref, avx2, avx512, avx512vnni";
+            isa_error = "CISM_ISA must be one of ref, avx2, avx512, avx512vnni, amx";
             level = CISM_ISA_REF;
         } else if (wanted > level_max) {
             /* asking for more than the CPU has is not an error: cap it */

@@ -90,7 +90,11 @@ typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
 /* y = f(a) * b, elementwise; y may alias a or b. */
 typedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n);
 
-typedef enum { CISM_ISA_REF = 0, CISM_ISA_AVX2 = 1, CISM_ISA_AVX512 = 2, CISM_ISA_AVX512VNNI = 3 } cism_isa;
+/* amx: avx512vnni plus the tile unit (AMX-INT8 for the exact int8 x q8
+ * gemm, AMX-BF16 for the opt-in bf16 precision), where Linux grants it */
+typedef enum {
+    CISM_ISA_REF = 0, CISM_ISA_AVX2 = 1, CISM_ISA_AVX512 = 2, CISM_ISA_AVX512VNNI = 3, CISM_ISA_AMX = 4
+} cism_isa;
 
 typedef struct cism_kernels {
     cism_gemm_fn gemm[CISM_NUM_STORAGES];   /* fp32 activations, by storage */
@@ -98,8 +102,8 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_int4_q16;              /* int4 weights x q16 activations */
     cism_gemm_fn gemm_fp4_q16;               /* fp4 weights x q16 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
-     * in the hardware's order; see gemm_amx.c). NULL where the CPU or the OS
-     * has no AMX-BF16: callers then keep the canonical kernels. */
+     * in the hardware's order; see gemm_amx.c). NULL below the amx level
+     * (no AMX, not granted, or capped): callers keep the canonical kernels. */
     cism_gemm_fn gemm_bf16;
     cism_pack_bf16_fn pack_bf16;
     cism_dot_fn dot;
@@ -116,14 +120,14 @@ typedef struct cism_kernels {
 /* CPU features found (CPUID and XGETBV both agree). */
 typedef struct cism_cpu {
     int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile;
-    int avx512bf16, amx_bf16;
+    int avx512bf16, amx_bf16, amx_int8;
     int os_avx, os_avx512, os_amx;
     int amx_granted; /* Linux let this process use the tile state (ARCH_REQ_XCOMP_PERM) */
 } cism_cpu;
 
 /* Fill the table once (idempotent): every slot gets the reference kernel,
  * then better variants the CPU and the OS support overwrite it, capped by the
- * CISM_ISA environment variable (ref, avx2, avx512, avx512vnni).
+ * CISM_ISA environment variable (ref, avx2, avx512, avx512vnni, amx).
  * Returns 0, or -1 when CISM_ISA holds an unknown name (the reference table
  * is then used and cism_isa_error() says why). */
 int cism_init(void);

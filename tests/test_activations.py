@@ -19,7 +19,7 @@ BINARY = ("silu_mul", "sigmoid_mul")
 FUNCS = UNARY + BINARY
 SIMD_LEVELS = [lvl for lvl in runnable_isas() if lvl != "ref"]
 # the variant that fills the activation slots at each level
-ACT_VARIANT = {"ref": "ref", "avx2": "avx2", "avx512": "avx512", "avx512vnni": "avx512"}
+ACT_VARIANT = {"ref": "ref", "avx2": "avx2", "avx512": "avx512", "avx512vnni": "avx512", "amx": "avx512"}
 
 F32 = np.float32
 FLT_MIN = float(np.finfo(F32).tiny)

@@ -231,10 +231,180 @@ static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_ac
     }
 }
 
+/* ---- int8 x q8 on the tile unit: the canonical arithmetic, bit for bit ----
+ *
+ * The one-chain rule of kernels.h needs, per (row, token) and block b, the
+ * exact integer sum s_b of the block's 32 products; TDPBSSD sums signed
+ * byte products into int32 exactly, so a tile step with K = 32 bytes gives
+ * 16 rows x 16 tokens of them at once, in whatever order the unit likes.
+ * The float chain then runs on vectors (lane = token): acc[m] =
+ * fma((float)C[m][:], ascale_b[:], acc[m]) block by block, and the row scale
+ * multiplies the finished dot. Same bits as gemm_ref.c, any T, any split.
+ *
+ * Tiles: A = 16 weight rows x 32 bytes, loaded straight from the packed
+ * rows (stride row_bytes); B = 8 rows x 16 tokens x 4 bytes, the q8
+ * activations of one block transposed once per call; C = int32 16 x 16.
+ * Two blocks go through C0/C1 or C2/C3 per step, are stored and folded
+ * into the chain in block order, the next step's tile work overlapping
+ * this step's vector work. Below Q8_MIN_TOKENS the VNNI tiles run (a tile
+ * step costs the same for 1 token as for 16). */
+#define Q8_MIN_TOKENS 8
+
+static void amx_configure_q8(void) {
+    volatile tile_config cfg;
+    memset((void *)&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { /* C: 16 rows x 16 int32 */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; t++) { /* A: 16 weight rows x 32 bytes */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 32;
+    }
+    for (int t = 6; t < 8; t++) { /* B: 8 dword rows x 16 tokens */
+        cfg.rows[t] = 8;
+        cfg.colsb[t] = 64;
+    }
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig((const void *)&cfg);
+}
+
+/* Tokens t..t+tn-1 (tn <= 16, missing ones zero) as B tiles: block b at
+ * B + 512 b, its row k holding dword k of the block for each token; and
+ * their block scales at S + 16 b. */
+static void pack_q8_group(const cism_act *A, size_t t, size_t tn, size_t units, int32_t *B, float *S) {
+    for (size_t u = 0; u < units; u++) {
+        __m512i in[16], out[16];
+        for (size_t n = 0; n < 16; n++)
+            in[n] = n < tn ? _mm512_loadu_si512((const void *)(A->q8 + (t + n) * A->ldq + 64 * u))
+                           : _mm512_setzero_si512();
+        transpose16(in, out); /* out[k] = dword k of the unit, all tokens */
+        for (int k = 0; k < 16; k++) _mm512_store_si512((void *)(B + 256 * u + 16 * k), out[k]);
+        for (size_t h = 0; h < 2; h++)
+            for (size_t n = 0; n < 16; n++)
+                S[16 * (2 * u + h) + n] = n < tn ? A->qscale[(t + n) * A->ldqs + 2 * u + h] : 0.0f;
+    }
+}
+
+/* Blocks b and b+1 (when two) of weight rows w (stride rb) times the B tiles
+ * at Bg, into C tiles CA and CB, stored at c and c + 256. Tile numbers must
+ * be constants: set 0 is C0/C1, set 1 C2/C3 (the operands A4/B6, A5/B7). */
+#define Q8_ISSUE(CA, CB)                                     \
+    do {                                                     \
+        _tile_zero(CA);                                      \
+        _tile_loadd(4, w + 32 * b, (long)rb);                \
+        _tile_loadd(6, Bg + 128 * b, 64);                    \
+        _tile_dpbssd(CA, 4, 6);                              \
+        if (two) {                                           \
+            _tile_zero(CB);                                  \
+            _tile_loadd(5, w + 32 * (b + 1), (long)rb);      \
+            _tile_loadd(7, Bg + 128 * (b + 1), 64);          \
+            _tile_dpbssd(CB, 5, 7);                          \
+        }                                                    \
+        _tile_stored(CA, c, 64);                             \
+        if (two) _tile_stored(CB, c + 256, 64);              \
+    } while (0)
+
+ALWAYS_INLINE void q8_issue0(const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two, int32_t *c) {
+    Q8_ISSUE(0, 1);
+}
+ALWAYS_INLINE void q8_issue1(const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two, int32_t *c) {
+    Q8_ISSUE(2, 3);
+}
+
+/* The chain step of blocks b (and b+1): acc[m] = fma((float)C[m][:], scale, acc[m]). */
+ALWAYS_INLINE void q8_fold(const int32_t *c, const float *Sg, size_t b, int two, __m512 acc[16]) {
+    for (int q = 0; q < 1 + two; q++) {
+        const __m512 s = _mm512_load_ps(Sg + 16 * (b + q));
+        for (int m = 0; m < 16; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 256 * q + 16 * m))),
+                                     s, acc[m]);
+    }
+}
+
+static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                             float *Y, size_t ldy) {
+    if (T < Q8_MIN_TOKENS) {
+        gemm_int8_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    if (r1 <= r0) return;
+    const size_t units = cism_div_up(W->cols, 64), blocks = cism_div_up(W->cols, 32);
+    const size_t groups = cism_div_up(T, 16), rb = W->row_bytes;
+    const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
+    const size_t tail_bytes = cism_div_up(16 * rb + 64, 64) * 64;
+    uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + 4096 + tail_bytes);
+    if (!mem) {
+        __atomic_store_n(A->err, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *S = (float *)(mem + b_bytes);
+    int32_t *c = (int32_t *)(mem + b_bytes + s_bytes);
+    int8_t *tail = (int8_t *)(mem + b_bytes + s_bytes + 4096);
+    for (size_t g = 0; g < groups; g++) {
+        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, S + g * units * 32);
+    }
+    amx_configure_q8();
+    for (size_t r = r0; r < r1; r += 16) {
+        const size_t rn = r1 - r < 16 ? r1 - r : 16;
+        const int8_t *w = (const int8_t *)W->codes + r * rb;
+        if (r + 16 > W->rows) {
+            /* the tile would read past the matrix: a zero-padded copy */
+            memset(tail, 0, tail_bytes);
+            memcpy(tail, w, (W->rows - r) * rb);
+            w = tail;
+        }
+        __m512 sc[16];
+        for (size_t m = 0; m < 16; m++) sc[m] = _mm512_set1_ps(m < rn ? W->scales[r + m] : 0.0f);
+        for (size_t g = 0; g < groups; g++) {
+            const int32_t *Bg = B + g * units * 256;
+            const float *Sg = S + g * units * 32;
+            __m512 acc[16];
+            for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+            /* two blocks per step, software pipelined: the tile unit works
+             * on step k + 1 (the other C tiles and buffer) while the vector
+             * units fold step k into the chains */
+            const size_t steps = cism_div_up(blocks, 2);
+            /* the tile loads stall on memory: while the first token group
+             * goes through these rows, fetch the next 16 rows' line of each
+             * step (two blocks = 64 bytes) */
+            const int8_t *next = g == 0 && r + 32 <= r1 ? w + 16 * rb : NULL;
+            q8_issue0(w, rb, Bg, 0, blocks > 1, c);
+            for (size_t k = 0; k < steps; k += 2) {
+                const size_t b0 = 2 * k, b1 = b0 + 2, b2 = b0 + 4;
+                if (next)
+                    for (int m = 0; m < 16; m++) {
+                        _mm_prefetch((const char *)(next + m * rb + 32 * b0), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(next + m * rb + 32 * b1), _MM_HINT_T0);
+                    }
+                if (k + 1 < steps) q8_issue1(w, rb, Bg, b1, b1 + 1 < blocks, c + 512);
+                q8_fold(c, Sg, b0, b0 + 1 < blocks, acc);
+                if (k + 2 < steps) q8_issue0(w, rb, Bg, b2, b2 + 1 < blocks, c);
+                if (k + 1 < steps) q8_fold(c + 512, Sg, b1, b1 + 1 < blocks, acc);
+            }
+            /* times the row scale, then transposed: lane m of out[n] is row m for token n */
+            __m512i in[16], out[16];
+            for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(_mm512_mul_ps(acc[m], sc[m]));
+            transpose16(in, out);
+            const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+            const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+            for (size_t n = 0; n < tn; n++)
+                _mm512_mask_storeu_ps(Y + (16 * g + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+        }
+    }
+    _tile_release();
+    free(mem);
+}
+
 void cism_fill_gemm_amx(cism_kernels *k) {
     for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
     e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
     k->gemm_bf16 = gemm_bf16_amx;
     k->pack_bf16 = pack_bf16_amx;
     k->name_gemm_bf16 = "amx";
+    k->gemm_int8_q8 = gemm_int8_q8_amx;
+    k->name_gemm_q = "amx";
 }
