@@ -338,6 +338,25 @@ def test_int8_activations_follow_the_one_chain_rule(isa_level):
         assert same_bits(m.gemv(X[7]), want[7]), isa
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX tile unit granted here")
+@pytest.mark.parametrize("rows,cols", [(37, 1), (37, 33), (16, 64), (50, 100), (33, 1040)])
+def test_amx_int8_tiles_match_the_reference(rows, cols, isa_level):
+    """The AMX int8 x q8 gemm (8 tokens and more): row groups of 16 with a
+    tail copied past the matrix end, token groups of 16 in passes of 64,
+    one to 33 blocks, any thread split: the reference bits."""
+    r = rng(rows * cols)
+    W = special_matrix(rows, cols, seed=cols).astype(np.float32)
+    m = Matrix(W, "int8")
+    m.act_precision = "int8"
+    for T in (8, 16, 17, 64, 65, 130):
+        X = (r.standard_normal((T, cols)) * r.choice([1e-3, 1.0, 50.0], size=(T, 1))).astype(np.float32)
+        isa_level("ref")
+        want = m.gemm(X, threads=1)
+        isa_level("amx")
+        for threads in (1, 2, 3):
+            assert same_bits(m.gemm(X, threads=threads), want), (T, threads)
+
+
 def test_tiny_activation_blocks_quantize_to_zero(isa_level):
     """A block whose qmax/absmax overflows counts as zero on every ISA."""
     x = np.full(40, 1e-38, np.float32)  # 32767/absmax and 127/absmax overflow

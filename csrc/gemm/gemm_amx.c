@@ -249,6 +249,7 @@ static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_ac
  * this step's vector work. Below Q8_MIN_TOKENS the VNNI tiles run (a tile
  * step costs the same for 1 token as for 16). */
 #define Q8_MIN_TOKENS 8
+#define Q8_GROUPS 4 /* token groups of 16 per pass over the rows */
 
 static void amx_configure_q8(void) {
     volatile tile_config cfg;
@@ -348,7 +349,11 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
         pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, S + g * units * 32);
     }
     amx_configure_q8();
+    /* 64 tokens at a time: their B tiles (64 x cols bytes) stay in L1 or
+     * L2 while every row group goes through them */
+    for (size_t g0 = 0; g0 < groups; g0 += Q8_GROUPS)
     for (size_t r = r0; r < r1; r += 16) {
+        const size_t g1 = groups - g0 < Q8_GROUPS ? groups : g0 + Q8_GROUPS;
         const size_t rn = r1 - r < 16 ? r1 - r : 16;
         const int8_t *w = (const int8_t *)W->codes + r * rb;
         if (r + 16 > W->rows) {
@@ -359,7 +364,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
         }
         __m512 sc[16];
         for (size_t m = 0; m < 16; m++) sc[m] = _mm512_set1_ps(m < rn ? W->scales[r + m] : 0.0f);
-        for (size_t g = 0; g < groups; g++) {
+        for (size_t g = g0; g < g1; g++) {
             const int32_t *Bg = B + g * units * 256;
             const float *Sg = S + g * units * 32;
             __m512 acc[16];
@@ -371,7 +376,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
             /* the tile loads stall on memory: while the first token group
              * goes through these rows, fetch the next 16 rows' line of each
              * step (two blocks = 64 bytes) */
-            const int8_t *next = g == 0 && r + 32 <= r1 ? w + 16 * rb : NULL;
+            const int8_t *next = g == g0 && r + 32 <= r1 ? w + 16 * rb : NULL;
             q8_issue0(w, rb, Bg, 0, blocks > 1, c);
             for (size_t k = 0; k < steps; k += 2) {
                 const size_t b0 = 2 * k, b1 = b0 + 2, b2 = b0 + 4;
