@@ -1,5 +1,7 @@
 """Prefill gemm: GFLOP/s of the exact multi-token kernels against the opt-in
-bf16 (AMX) kernel on the same matrix and tokens, in the same run.
+bf16 (AMX) kernel on the same matrix and tokens, in the same run; for int8
+weights also the exact kernel with int8 activations ("int8 act": on the AMX
+tile unit where the CPU has AMX-INT8, else VNNI).
 
     python bench/gemm.py [--threads 1] [--tokens 256] [--repeats 5] [--json]
 
@@ -39,21 +41,26 @@ def main(argv=None):
             m = Matrix(rng.standard_normal((r, c)).astype(np.float32), storage)
             X = rng.standard_normal((args.tokens, c)).astype(np.float32)
             exact = gflops(m, X, args.threads, args.repeats)
+            q8 = None
+            if storage == "int8":
+                m.act_precision = "int8"
+                q8 = gflops(m, X, args.threads, args.repeats)
             fast = None
             if bf16:
                 m.act_precision = "bf16"
                 fast = gflops(m, X, args.threads, args.repeats)
             rows.append({"storage": storage, "rows": r, "cols": c, "shape": name,
-                         "exact_gflops": exact, "bf16_gflops": fast,
+                         "exact_gflops": exact, "int8_act_gflops": q8, "bf16_gflops": fast,
                          "ratio": fast / exact if fast else None})
     if args.json:
         print(json.dumps({"threads": args.threads, "tokens": args.tokens, "results": rows}, indent=1))
         return
     print(f"{args.tokens} tokens, {args.threads} thread(s); GFLOP/s (median of {args.repeats})")
-    print(f"{'storage':7} {'rows x cols':>12} {'':16} {'exact':>7} {'bf16':>7} {'x':>5}")
+    print(f"{'storage':7} {'rows x cols':>12} {'':16} {'exact':>7} {'int8 act':>8} {'bf16':>7} {'x':>5}")
     for x in rows:
         b = f"{x['bf16_gflops']:7.0f} {x['ratio']:5.2f}" if x["bf16_gflops"] else f"{'-':>7} {'-':>5}"
-        print(f"{x['storage']:7} {x['rows']:5d} x {x['cols']:<5d} {x['shape']:16} {x['exact_gflops']:7.0f} {b}")
+        q = f"{x['int8_act_gflops']:8.0f}" if x["int8_act_gflops"] else f"{'-':>8}"
+        print(f"{x['storage']:7} {x['rows']:5d} x {x['cols']:<5d} {x['shape']:16} {x['exact_gflops']:7.0f} {q} {b}")
 
 
 if __name__ == "__main__":

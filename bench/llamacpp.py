@@ -26,6 +26,12 @@ same run (Model.scan for cism, a same-sized buffer for llama.cpp).
     pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
     python bench/llamacpp.py --shape qwen3-0.6b --repeats 3
+    python bench/llamacpp.py --act int8
+
+--act int8 runs cism with int8 activations (q8 blocks of 32, as llama.cpp's
+own Q8_0 and Q4_0 dot products use): for int8 weights that is the exact
+int8 x q8 arithmetic, on the AMX tile unit for prefill where the CPU has it.
+fp32 and fp16 weights ignore it.
 """
 import argparse
 import json
@@ -176,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--formats", nargs="+", default=[q for q, _ in PAIRS])
+    ap.add_argument("--act", choices=["fp32", "int8"], default="fp32",
+                    help="cism's activation precision (default fp32)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -209,6 +217,7 @@ def main(argv=None):
             os.replace(path + ".part", path)
         lbytes = tensor_bytes(path)
         model = cism.load(path, precision=precision, threads=args.threads)
+        model.set_act_precision(args.act)
         # alternate the engines: llama, cism, llama, cism (medians of each)
         l1 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
         c_dec = decode_rate(model, args.decode_tokens, args.repeats)
@@ -230,12 +239,13 @@ def main(argv=None):
                      "llama_prefill": l_pre, "cism_prefill": c_pre, "prefill_ratio": c_pre / l_pre,
                      "cism_prefill_bf16": c_bf, "prefill_bf16_ratio": c_bf / l_pre if c_bf else None})
         del model
-    report = {"model": src, "threads": args.threads, "read_gb_s": bw / 1e9, "results": rows}
+    report = {"model": src, "threads": args.threads, "act_precision": args.act, "read_gb_s": bw / 1e9,
+              "results": rows}
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
         return
-    print(f"{src}, {args.threads} threads, read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"{src}, {args.threads} threads, cism activations {args.act}, read bandwidth {bw / 1e9:.1f} GB/s")
     print(f"{'format':6} {'cism':12} {'MB l/c':>13} {'decode l/c':>13} {'x':>5} {'x/byte':>6} "
           f"{'roof l/c':>9} {'prefill l/c':>13} {'x':>5} {'bf16 pre':>8} {'x':>5}")
     for r in rows:

@@ -42,7 +42,8 @@ from cism.sampling import check_seed
 
 cnp.import_array()
 
-CODE_VERSION = "cism-dense-1"
+# bumped whenever some output changes its bits (2: the int8 x q8 block sums)
+CODE_VERSION = "cism-dense-2"
 MAX_SPEC_K = MAX_K
 # Rotary sin/cos are tabulated up to this many positions; later positions are
 # computed with the same formula on the fly.

@@ -41,7 +41,8 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 
-CODE_VERSION = "cism-fwkv-1"
+# bumped whenever some output changes its bits (2: the int8 x q8 block sums)
+CODE_VERSION = "cism-fwkv-2"
 MAX_SPEC_K = MAX_K
 # Columns per work item of the shared.proj products and of the recurrence.
 DEF COLS = 64

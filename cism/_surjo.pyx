@@ -47,7 +47,8 @@ from cism.sampling import check_seed
 
 cnp.import_array()
 
-CODE_VERSION = "cism-surjo-1"
+# bumped whenever some output changes its bits (2: the int8 x q8 block sums)
+CODE_VERSION = "cism-surjo-2"
 MAX_SPEC_K = MAX_K
 # Rotary sin/cos are tabulated up to this many positions (as in cism._dense).
 DEF ROPE_TABLE_MAX = 32768

@@ -19,10 +19,11 @@
  * Tiling (16 ymm registers; an R rows x TT tokens tile holds 2*R*TT
  * accumulators). Decode (T = 1) runs R independent weight streams: 6 rows for
  * fp32/fp16/int8 weights, 4 where the dequantization needs more registers,
- * spread over the caller's rows (j, j + L, ...) as in gemm_avx512.c.
+ * spread over the caller's rows (j, j + L, ...) as in gemm_avx512.c; int8 x
+ * q8 runs 8 (the dots whose block sums one reduction finishes together).
  * Multi-token calls run 3x2 tiles (fp32/fp16/int8 weights: each activation
- * vector feeds 3 rows) or 2x3 tiles (4-bit weights: each dequantized vector
- * feeds 3 tokens) over chunks of TOKEN_CHUNK tokens that stay in L2; measured
+ * vector feeds 3 rows), 4x2 for int8 x q8, or 2x3 tiles (4-bit weights: each
+ * dequantized vector feeds 3 tokens) over chunks of TOKEN_CHUNK tokens that stay in L2; measured
  * on a 512x4096 matrix, T = 64, one core: 3x2 gives fp16 22 GMAC/s against 17
  * for 2x3, 2x3 gives fp4 16 against 13.
  *

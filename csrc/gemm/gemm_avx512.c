@@ -16,7 +16,12 @@
  * stay in L2; each group of 4 rows reduces its dots together (hsum_tile4).
  * Packed rows (fp16, int8, int4, fp4) are first dequantized into an
  * aligned heap buffer once per chunk (rows_deq), so the unpacking is
- * shared by up to 64 tokens and the fp32 tile does the rest. */
+ * shared by up to 64 tokens and the fp32 tile does the rest.
+ *
+ * int8 x q8 is the exception to the 16-lane form (kernels.h): one chain
+ * per dot over exact integer block sums; its tiles (8 rows for decode, 4 x 4
+ * for several tokens) finish the block sums of 8 dots in one reduction
+ * (block_sums8) and keep 8 dots' chains in one ymm. */
 #include "../kernels.h"
 
 #include <immintrin.h>
