@@ -5,6 +5,9 @@ Kernel exactness policy: every SIMD variant implements the canonical
 arithmetic of csrc/kernels.h, so results are compared with the scalar
 reference BIT FOR BIT. Accuracy against float64 is a separate table below.
 """
+import os
+import subprocess
+import sys
 import threading
 from fractions import Fraction
 
@@ -355,6 +358,30 @@ def test_amx_int8_tiles_match_the_reference(rows, cols, isa_level):
         isa_level("amx")
         for threads in (1, 2, 3):
             assert same_bits(m.gemm(X, threads=threads), want), (T, threads)
+
+
+def run_with_isa(value):
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from cism import _kernels; v = _kernels.kernel_variants()\n"
+            "print(_kernels.isa(), v['gemm (int8 activations)'], v['gemm (bf16, opt-in)'])")
+    env = dict(os.environ, CISM_ISA=value)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split(), p.stderr
+
+
+def test_cism_isa_caps_the_kernels_and_names_the_levels():
+    """CISM_ISA picks a level (capped at what the CPU has); below amx neither
+    AMX kernel is installed; an unknown name warns, listing every level, and
+    runs the reference."""
+    (isa, gemm_q, bf16), _ = run_with_isa("avx512vnni")
+    assert isa == ISAS[min(3, len(ISAS) - 1)] and gemm_q != "amx" and bf16 == "none"
+    (isa, gemm_q, _), _ = run_with_isa("amx")
+    assert isa == ISAS[-1]
+    assert (gemm_q == "amx") == (ISAS[-1] == "amx")
+    (isa, gemm_q, bf16), err = run_with_isa("avx9000")
+    assert (isa, gemm_q, bf16) == ("ref", "ref", "none")
+    assert "CISM_ISA must be one of ref, avx2, avx512, avx512vnni, amx" in err
 
 
 def test_tiny_activation_blocks_quantize_to_zero(isa_level):

@@ -457,14 +457,11 @@ GEMM_F32(gemm_fp4_avx512, CISM_FP4)
 /* ---- quantized activations ---- */
 
 /* int8 x q8, one 64-byte unit = blocks 2u (lanes 0-7) and 2u+1 (lanes 8-15):
- * each lane first holds the exact integer sum of four products.
- * |a| * (sign(a) w) keeps every pair sum within int16 (|a|, |w| <= 127), so
- * maddubs never saturates and matches the VNNI dpbusd exactly. */
-ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed, const int vnni) {
-#ifdef __AVX512VNNI__
-    if (vnni) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), a_abs, w_signed);
-#endif
-    (void)vnni;
+ * each lane first holds the exact integer sum of four products (without
+ * VNNI; tile_i8q8 uses vpdpbusd directly where it has it). |a| * (sign(a) w)
+ * keeps every pair sum within int16 (|a|, |w| <= 127), so maddubs never
+ * saturates and gives the integers vpdpbusd gives. */
+ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed) {
     return _mm512_madd_epi16(_mm512_maddubs_epi16(a_abs, w_signed), _mm512_set1_epi16(1));
 }
 
@@ -534,7 +531,7 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
             for (int i = 0; i < R; i++) {
                 const __m512i w = _mm512_loadu_si512((const void *)(rows[i] + 64 * u));
                 for (int j = 0; j < TT; j++)
-                    v[i * TT + j] = dot4_u8s8(aa[j], _mm512_mask_sub_epi8(w, neg[j], _mm512_setzero_si512(), w), 0);
+                    v[i * TT + j] = dot4_u8s8(aa[j], _mm512_mask_sub_epi8(w, neg[j], _mm512_setzero_si512(), w));
             }
         }
         for (int p = P; p < 8 * G; p++) v[p] = _mm512_setzero_si512();
