@@ -41,8 +41,9 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 
-# bumped whenever some output changes its bits (2: the int8 x q8 block sums)
-CODE_VERSION = "cism-fwkv-2"
+# bumped whenever some output changes its bits (2: the int8 x q8 block sums;
+# 3: int4 and fp4 x q8 activations, block sums too)
+CODE_VERSION = "cism-fwkv-3"
 MAX_SPEC_K = MAX_K
 # Columns per work item of the shared.proj products and of the recurrence.
 DEF COLS = 64

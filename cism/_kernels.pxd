@@ -47,7 +47,6 @@ cdef extern from "kernels.h" nogil:
     ctypedef struct cism_act:
         const float *x
         size_t ldx
-        const int16_t *q16
         const int8_t *q8
         const float *qscale
         size_t ldq, ldqs
@@ -62,7 +61,6 @@ cdef extern from "kernels.h" nogil:
     ctypedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const float *V,
                                        size_t ldv, size_t nk, float *O, size_t ldo,
                                        size_t n) noexcept nogil
-    ctypedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out, size_t stride) noexcept nogil
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
@@ -71,14 +69,13 @@ cdef extern from "kernels.h" nogil:
     ctypedef struct cism_kernels:
         cism_gemm_fn gemm[5]
         cism_gemm_fn gemm_int8_q8
-        cism_gemm_fn gemm_int4_q16
-        cism_gemm_fn gemm_fp4_q16
+        cism_gemm_fn gemm_int4_q8
+        cism_gemm_fn gemm_fp4_q8
         cism_gemm_fn gemm_bf16
         cism_pack_bf16_fn pack_bf16
         cism_dot_fn dot
         cism_axpy_fn axpy
         cism_axpy_tile_fn axpy_tile
-        cism_quant16_fn quant16
         cism_quant8_fn quant8
         cism_unary_fn exp
         cism_unary_fn sigmoid

@@ -7,7 +7,7 @@ Cython module reaches the kernels through ``kernel_table()``.
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport int8_t, int16_t
+from libc.stdint cimport int8_t
 
 cnp.import_array()
 
@@ -176,27 +176,17 @@ def axpy_tile(P, V, O):
     return out
 
 
-def quantize(x, int bits):
-    """Quantize an activation row as the int8 activation paths do.
-
-    bits=16: int16 codes (32767/absmax per 32-block); bits=8: int8 codes
-    (127/absmax). Returns (codes padded to a multiple of 64, block scales).
-    """
+def quantize(x):
+    """Quantize an activation row as the int8 activation paths do: int8
+    codes, 127/absmax per 32-element block. Returns (codes zero padded to a
+    multiple of 64, block scales)."""
     cdef cnp.ndarray a = _f32(x, "x")
     cdef size_t n = a.shape[0]
     cdef size_t length = cism_act_len(n)
     cdef cnp.ndarray scales = np.zeros(length // 32, dtype=np.float32)
-    cdef cnp.ndarray codes
-    if bits == 16:
-        codes = np.zeros(length, dtype=np.int16)
-        cism_table().quant16(<const float*>cnp.PyArray_DATA(a), n,
-                             <int16_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
-    elif bits == 8:
-        codes = np.zeros(length, dtype=np.int8)
-        cism_table().quant8(<const float*>cnp.PyArray_DATA(a), n,
-                            <int8_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
-    else:
-        raise ValueError("bits must be 8 or 16")
+    cdef cnp.ndarray codes = np.zeros(length, dtype=np.int8)
+    cism_table().quant8(<const float*>cnp.PyArray_DATA(a), n,
+                        <int8_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
     return codes, scales
 
 

@@ -1,5 +1,5 @@
 # C-level matrix products for the model modules (cimport cism.matrix).
-from libc.stdint cimport int8_t, int16_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t
 from cism._kernels cimport cism_mat
 
 # Activation modes of gemm_multi (bit flags): ACT_Q8 selects the
@@ -15,12 +15,10 @@ cdef enum:
 # concurrent sessions never share buffers. Zero-initialise, free with
 # scratch_free().
 ctypedef struct Scratch:
-    int16_t *q16
     int8_t *q8
-    float *qs16
     float *qs8
     uint16_t *xb
-    size_t cap16, cap8, caps16, caps8, capb
+    size_t cap8, caps8, capb
 
 cdef void scratch_free(Scratch *s) noexcept nogil
 

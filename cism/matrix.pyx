@@ -11,7 +11,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cython.parallel cimport prange
-from libc.stdint cimport int8_t, int16_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 from cpython.ref cimport Py_INCREF
@@ -53,9 +53,7 @@ cdef void *alloc_zeroed(size_t nbytes) noexcept nogil:
 
 
 cdef void scratch_free(Scratch *s) noexcept nogil:
-    free(s.q16)
     free(s.q8)
-    free(s.qs16)
     free(s.qs8)
     free(s.xb)
     memset(s, 0, sizeof(Scratch))
@@ -85,26 +83,26 @@ cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, i
         if W.storage == CISM_INT8:
             return k.gemm_int8_q8
         if W.storage == CISM_INT4:
-            return k.gemm_int4_q16
+            return k.gemm_int4_q8
         if W.storage == CISM_FP4:
-            return k.gemm_fp4_q16
+            return k.gemm_fp4_q8
     return k.gemm[W.storage]
 
 
+cdef inline bint integer_storage(const cism_mat *W) noexcept nogil:
+    return W.storage == CISM_INT8 or W.storage == CISM_INT4 or W.storage == CISM_FP4
+
+
 cdef inline const cism_act *pick_act(const cism_mat *W, int mode, const cism_act *a32,
-                                     const cism_act *a16, const cism_act *a8) noexcept nogil:
-    if mode & ACT_Q8 and not mode & ACT_BF16:
-        if W.storage == CISM_INT8:
-            return a8
-        if W.storage == CISM_INT4 or W.storage == CISM_FP4:
-            return a16
+                                     const cism_act *a8) noexcept nogil:
+    if mode & ACT_Q8 and not mode & ACT_BF16 and integer_storage(W):
+        return a8
     return a32
 
 
 cdef inline void gemm_chunks(const cism_kernels *k, const cism_mat **W, float **Y, const size_t *ldy,
                              int count, const size_t *starts, size_t c0, size_t c1, int mode,
-                             const cism_act *a32, const cism_act *a16, const cism_act *a8,
-                             size_t T) noexcept nogil:
+                             const cism_act *a32, const cism_act *a8, size_t T) noexcept nogil:
     """The rows of CHUNK-row chunks [c0, c1) of the matrices laid end to end
     (matrix m holds chunks starts[m] .. starts[m + 1] - 1): one kernel call
     per matrix the range touches."""
@@ -118,7 +116,7 @@ cdef inline void gemm_chunks(const cism_kernels *k, const cism_mat **W, float **
             r1 = (hi - starts[m]) * CHUNK
             if r1 > W[m].rows:
                 r1 = W[m].rows
-            pick_kernel(k, W[m], mode)(W[m], r0, r1, pick_act(W[m], mode, a32, a16, a8),
+            pick_kernel(k, W[m], mode)(W[m], r0, r1, pick_act(W[m], mode, a32, a8),
                                        T, Y[m], ldy[m])
 
 
@@ -129,21 +127,19 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     cdef size_t qlen = cism_act_len(cols)
     cdef size_t qblocks = qlen // 32
     cdef size_t blen = cism_bf16_len(cols)
-    cdef bint need16 = False, need8 = False
+    cdef bint need8 = False
     cdef int i, th, err = 0
     cdef size_t t, total = 0, work = 0
     cdef size_t starts[9]
-    cdef cism_act a32, a16, a8
+    cdef cism_act a32, a8
     if count < 1 or count > 8:
         return -1
     if mode & ACT_BF16 and k.gemm_bf16 == NULL:
         mode = mode & ACT_Q8
     for i in range(count):
         # (the bf16 kernel takes its own activations, whatever the storage)
-        if mode == ACT_Q8 and W[i].storage == CISM_INT8:
+        if mode == ACT_Q8 and integer_storage(W[i]):
             need8 = True
-        elif mode == ACT_Q8 and (W[i].storage == CISM_INT4 or W[i].storage == CISM_FP4):
-            need16 = True
         starts[i] = total
         total += cism_div_up(W[i].rows, CHUNK)
         work += W[i].rows * cols
@@ -152,24 +148,9 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
     a32.x = X
     a32.ldx = ldx
     a32.err = &err
-    a16 = a32
     a8 = a32
     if T == 0:
         return 0
-    if need16:
-        if grow(<void**>&s.q16, &s.cap16, T * qlen * sizeof(int16_t)) or \
-                grow(<void**>&s.qs16, &s.caps16, T * qblocks * sizeof(float)):
-            return -1
-        if threads > 1 and T > 1:
-            for t in prange(T, schedule='static', num_threads=threads):
-                k.quant16(X + t * ldx, cols, s.q16 + t * qlen, s.qs16 + t * qblocks)
-        else:
-            for t in range(T):
-                k.quant16(X + t * ldx, cols, s.q16 + t * qlen, s.qs16 + t * qblocks)
-        a16.q16 = s.q16
-        a16.qscale = s.qs16
-        a16.ldq = qlen
-        a16.ldqs = qblocks
     if need8:
         if grow(<void**>&s.q8, &s.cap8, T * qlen) or \
                 grow(<void**>&s.qs8, &s.caps8, T * qblocks * sizeof(float)):
@@ -208,9 +189,9 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
         # most one short tile per matrix (see gemm_avx512.c).
         for th in prange(threads, schedule='static', num_threads=threads):
             gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
-                        total * (th + 1) // threads, mode, &a32, &a16, &a8, T)
+                        total * (th + 1) // threads, mode, &a32, &a8, T)
     else:
-        gemm_chunks(k, W, Y, ldy, count, starts, 0, total, mode, &a32, &a16, &a8, T)
+        gemm_chunks(k, W, Y, ldy, count, starts, 0, total, mode, &a32, &a8, T)
     return -1 if err else 0
 
 

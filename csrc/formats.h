@@ -44,7 +44,7 @@ typedef enum {
 #define CISM_INT4_BLOCK 32
 #define CISM_INT4_BLOCK_BYTES 16
 #define CISM_FP4_BLOCK 16
-#define CISM_ACT_BLOCK 32 /* quantized-activation block (int16 and int8 paths) */
+#define CISM_ACT_BLOCK 32 /* quantized-activation (q8) block */
 
 _Static_assert(CISM_INT4_BLOCK_BYTES * 2 == CISM_INT4_BLOCK, "two int4 codes per byte");
 _Static_assert(CISM_FP4_BLOCK % 2 == 0, "fp4 blocks hold whole bytes");

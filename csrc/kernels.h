@@ -18,20 +18,23 @@
  *
  * Quantized activations (act_precision "int8"): each activation row is cut
  * into 32-element blocks and zero padded to a multiple of CISM_ACT_PAD;
- *   q16: scale = absmax/32767, q = clamp(rintf(x * (32767/absmax)), +-32767)
- *   q8:  scale = absmax/127,   q = clamp(rintf(x * (127/absmax)), +-127)
+ *   q8: scale = absmax/127, q = clamp(rintf(x * (127/absmax)), +-127)
  * (an all-zero block gets q = 0 and scale 0, and so does a block so small
- * that qmax/absmax overflows: its values are below 1e-34). The integer products are exact;
- * only the float accumulation has an order. int4 and fp4 use 16 lanes:
- *   int4 x q16, block b: lane j (0..15) += fma((float)(w[2j]a[2j] + w[2j+1]a[2j+1]),
- *                                            wscale_b * ascale_b)
- *   fp4 x q16, fp4 block b (16 elements): lane 8*(b%2)+j (j<8) takes pair j of
- *       the block with scale (e4m3(byte_b) * 0.5f) * ascale_(b/2)
- * followed by the same reduction tree. int8 x q8 has one accumulator per dot:
- *   acc = +0; for block b in order: acc = fma((float)s_b, ascale_b, acc), where
- *   s_b = sum of the block's 32 integer products (exact in int32, so any
- *   summation order gives it: VNNI lanes, the AMX tile unit, a scalar loop);
- *   the finished dot is multiplied by the row scale.
+ * that 127/absmax overflows: its values are below 4e-37). Every integer
+ * storage multiplies q8 activations by ONE rule: the exact integer sum s_b
+ * of each weight block's products, then one float chain per dot over the
+ * blocks in order,
+ *   acc = +0; for block b: acc = fma((float)s_b, c_b, acc)
+ *   int8: blocks of 32, s_b = sum w_e a_e, c_b = ascale_b, and the finished
+ *         dot is multiplied by the row scale;
+ *   int4: blocks of 32, s_b = sum (code_e - 8) a_e, c_b = wscale_b * ascale_b
+ *         (one rounding);
+ *   fp4:  blocks of 16, s_b = sum e2m1x2(code_e) a_e,
+ *         c_b = (e4m3(scale_byte_b) * 0.5f) * ascale_(b/2) (one rounding).
+ * s_b is exact in int32 (|s_b| <= 32 * 127 * 127), so any summation order
+ * gives it: VNNI lanes, maddubs pairs with a bias taken off afterwards, the
+ * AMX tile unit, a scalar loop. Weight elements past the row meet zero
+ * activations and vanish.
  * fp32/fp16 weights ignore the switch.
  *
  * Vector activations (max errors against the double-precision function are
@@ -53,7 +56,6 @@ static inline size_t cism_bf16_rows(size_t T) { return cism_div_up(T, 32) * 32; 
 typedef struct cism_act {
     const float *x;       /* fp32 rows, row t at x + t*ldx (cols valid floats) */
     size_t ldx;
-    const int16_t *q16;   /* q16 rows, zero padded to cism_act_len(cols), row stride ldq */
     const int8_t *q8;     /* q8 rows, zero padded to cism_act_len(cols), row stride ldq */
     const float *qscale;  /* per-block scales, row stride ldqs */
     size_t ldq, ldqs;
@@ -80,7 +82,6 @@ typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const f
                                   size_t nk, float *O, size_t ldo, size_t n);
 /* Quantize n floats: writes cism_act_len(n) codes and cism_act_len(n)/32
  * scales, zero beyond n (so kernels may read whole vectors). */
-typedef void (*cism_quant16_fn)(const float *x, size_t n, int16_t *q, float *scales);
 typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
 /* n floats as cism_bf16_len(n) bfloat16 (nearest even, zero beyond n);
  * elements 32kb..32kb+31 go to out + kb * stride. */
@@ -90,8 +91,8 @@ typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
 /* y = f(a) * b, elementwise; y may alias a or b. */
 typedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n);
 
-/* amx: avx512vnni plus the tile unit (AMX-INT8 for the exact int8 x q8
- * gemm, AMX-BF16 for the opt-in bf16 precision), where Linux grants it */
+/* amx: avx512vnni plus the tile unit (AMX-INT8 for the exact integer x q8
+ * gemms, AMX-BF16 for the opt-in bf16 precision), where Linux grants it */
 typedef enum {
     CISM_ISA_REF = 0, CISM_ISA_AVX2 = 1, CISM_ISA_AVX512 = 2, CISM_ISA_AVX512VNNI = 3, CISM_ISA_AMX = 4
 } cism_isa;
@@ -99,8 +100,8 @@ typedef enum {
 typedef struct cism_kernels {
     cism_gemm_fn gemm[CISM_NUM_STORAGES];   /* fp32 activations, by storage */
     cism_gemm_fn gemm_int8_q8;               /* int8 weights x q8 activations */
-    cism_gemm_fn gemm_int4_q16;              /* int4 weights x q16 activations */
-    cism_gemm_fn gemm_fp4_q16;               /* fp4 weights x q16 activations */
+    cism_gemm_fn gemm_int4_q8;               /* int4 weights x q8 activations */
+    cism_gemm_fn gemm_fp4_q8;                /* fp4 weights x q8 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
      * in the hardware's order; see gemm_amx.c). NULL below the amx level
      * (no AMX, not granted, or capped): callers keep the canonical kernels. */
@@ -109,7 +110,6 @@ typedef struct cism_kernels {
     cism_dot_fn dot;
     cism_axpy_fn axpy;
     cism_axpy_tile_fn axpy_tile;
-    cism_quant16_fn quant16;
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;

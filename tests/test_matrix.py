@@ -314,26 +314,50 @@ def f32_round(x):
     return min(near, key=lambda c: (abs(Fraction(float(c)) - x), int(np.array(c).view(np.uint32)) & 1))
 
 
-def test_int8_activations_follow_the_one_chain_rule(isa_level):
-    """int8 weights x q8 activations (csrc/kernels.h): per 32-element block
+E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+
+
+def weight_blocks(m):
+    """Each row of a packed int8/int4/fp4 Matrix as (integer weights, block
+    size, per-block weight scales, row scale), read from its codes and
+    scales views by the layout of csrc/formats.h."""
+    rows, cols = m.shape
+    if m.storage == "int8":
+        return [(m.codes[i].astype(np.int64), 32, None, m.scales[i]) for i in range(rows)]
+    if m.storage == "int4":
+        codes = m.codes.astype(np.int64)  # (rows, blocks, 16): element t low, t + 16 high
+        w = np.concatenate([codes & 15, codes >> 4], axis=2).reshape(rows, -1)[:, :cols] - 8
+        return [(w[i], 32, m.scales[i], None) for i in range(rows)]
+    codes = m.codes.astype(np.int64)  # (rows, bytes): element j in byte j // 2, low nibble for even j
+    nib = np.stack([codes & 15, codes >> 4], axis=2).reshape(rows, -1)[:, :cols]
+    w = np.array(E2M1_X2)[nib]
+    halves = [[np.float32(E4M3[c] * 0.5) for c in m.scales[i]] for i in range(rows)]
+    return [(w[i], 16, halves[i], None) for i in range(rows)]
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4", "fp4"])
+def test_q8_activations_follow_the_one_chain_rule(storage, isa_level):
+    """Integer weights x q8 activations (csrc/kernels.h): per weight block
     the exact integer sum of its products, then one fma chain over the
-    blocks, then the row scale; stated here with exact rationals and compared
-    bit for bit on every ISA (the AMX tiles too: 40 tokens)."""
+    blocks with c_b = ascale (int8, times the row scale at the end) or the
+    rounded product wscale_b * ascale (int4 per 32, fp4 per 16 elements);
+    stated here with exact rationals and compared bit for bit on every ISA
+    (the AMX tiles too: 40 tokens)."""
     r = rng(13)
     rows, cols, T = 19, 100, 40  # a 4-element tail block, 16 + 3 rows
     W = r.standard_normal((rows, cols)).astype(np.float32)
     X = (r.standard_normal((T, cols)) * np.linspace(0.01, 30, cols)).astype(np.float32)
-    q, s = np_int8(W)
-    acts = [_kernels.quantize(x, 8) for x in X]
+    m = Matrix(W, storage)
+    acts = [_kernels.quantize(x) for x in X]
     want = np.zeros((T, rows), np.float32)
-    for t, (a, ascale) in enumerate(acts):
-        for i in range(rows):
+    for i, (w, bs, wscale, row_scale) in enumerate(weight_blocks(m)):
+        for t, (a, ascale) in enumerate(acts):
             acc = np.float32(0)
-            for b in range(0, cols, 32):
-                blk = int(np.dot(q[i, b:b + 32].astype(np.int64), a[b:min(b + 32, cols)].astype(np.int64)))
-                acc = f32_round(Fraction(blk) * Fraction(float(ascale[b // 32])) + Fraction(float(acc)))
-            want[t, i] = acc * s[i]
-    m = Matrix(W, "int8")
+            for b in range(0, cols, bs):
+                blk = int(np.dot(w[b:b + bs], a[b:min(b + bs, cols)].astype(np.int64)))
+                c = ascale[b // 32] if wscale is None else wscale[b // bs] * ascale[b // 32]  # float32 product
+                acc = f32_round(Fraction(blk) * Fraction(float(c)) + Fraction(float(acc)))
+            want[t, i] = acc * row_scale if row_scale is not None else acc
     m.act_precision = "int8"
     for isa in ISAS:
         isa_level(isa)
@@ -342,14 +366,17 @@ def test_int8_activations_follow_the_one_chain_rule(isa_level):
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX tile unit granted here")
+@pytest.mark.parametrize("storage", ["int8", "int4", "fp4"])
 @pytest.mark.parametrize("rows,cols", [(37, 1), (37, 33), (16, 64), (50, 100), (33, 1040)])
-def test_amx_int8_tiles_match_the_reference(rows, cols, isa_level):
-    """The AMX int8 x q8 gemm (8 tokens and more): row groups of 16 with a
-    tail copied past the matrix end, token groups of 16 in passes of 64,
-    one to 33 blocks, any thread split: the reference bits."""
+def test_amx_integer_tiles_match_the_reference(storage, rows, cols, isa_level):
+    """The AMX integer x q8 gemms (8 tokens and more): row groups of 16
+    with a tail past the matrix end, token groups of 16 in passes of 64,
+    one to 65 blocks, any thread split: the reference bits.
+    (tests/test_amx_emulated.py runs the same kernels on an emulated unit
+    where there is no real one.)"""
     r = rng(rows * cols)
     W = special_matrix(rows, cols, seed=cols).astype(np.float32)
-    m = Matrix(W, "int8")
+    m = Matrix(W, storage)
     m.act_precision = "int8"
     for T in (8, 16, 17, 64, 65, 130):
         X = (r.standard_normal((T, cols)) * r.choice([1e-3, 1.0, 50.0], size=(T, 1))).astype(np.float32)
@@ -386,13 +413,12 @@ def test_cism_isa_caps_the_kernels_and_names_the_levels():
 
 def test_tiny_activation_blocks_quantize_to_zero(isa_level):
     """A block whose qmax/absmax overflows counts as zero on every ISA."""
-    x = np.full(40, 1e-38, np.float32)  # 32767/absmax and 127/absmax overflow
+    x = np.full(40, 1e-38, np.float32)  # 127/absmax overflows
     x[3] = 0
     for isa in ISAS:
         isa_level(isa)
-        for bits in (16, 8):
-            codes, scales = _kernels.quantize(x, bits)
-            assert not codes.any() and not scales.any(), (isa, bits)
+        codes, scales = _kernels.quantize(x)
+        assert not codes.any() and not scales.any(), isa
 
 
 def test_negative_zero_lanes_survive_tails(isa_level):
@@ -440,17 +466,17 @@ def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
 def test_quantized_activations_match_numpy_rule():
     x = rng(9).standard_normal(100).astype(np.float32)
     x[32:64] = 0
-    for bits, qmax in ((16, 32767), (8, 127)):
-        codes, scales = _kernels.quantize(x, bits)
-        assert codes.shape == (128,) and scales.shape == (4,)
-        for b in range(4):
-            blk = x[32 * b: 32 * b + 32]
-            m = np.abs(blk).max() if blk.size else np.float32(0)
-            norm = np.float32(qmax) / m if m > 0 else np.float32(0)
-            want = np.clip(np.rint((blk * norm).astype(np.float32)), -qmax, qmax)
-            assert np.array_equal(codes[32 * b: 32 * b + blk.size], want.astype(codes.dtype))
-            assert scales[b] == (m / np.float32(qmax) if m > 0 else 0)
-        assert not codes[100:].any()
+    qmax = 127
+    codes, scales = _kernels.quantize(x)
+    assert codes.shape == (128,) and codes.dtype == np.int8 and scales.shape == (4,)
+    for b in range(4):
+        blk = x[32 * b: 32 * b + 32]
+        m = np.abs(blk).max() if blk.size else np.float32(0)
+        norm = np.float32(qmax) / m if m > 0 else np.float32(0)
+        want = np.clip(np.rint((blk * norm).astype(np.float32)), -qmax, qmax)
+        assert np.array_equal(codes[32 * b: 32 * b + blk.size], want.astype(codes.dtype))
+        assert scales[b] == (m / np.float32(qmax) if m > 0 else 0)
+    assert not codes[100:].any()
 
 
 def test_calls_from_many_python_threads():

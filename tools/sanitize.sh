@@ -26,6 +26,8 @@ export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 # The sanitized package first; the repository after it (for tests.reference).
 # -P keeps the current directory, with its in-place build, off sys.path.
 export PYTHONPATH="$PWD/$lib:$PWD"
+# tests that build native harnesses (tests/native) build them sanitized too
+export CISM_SANITIZE="${CISM_SANITIZE:-address,undefined}"
 "$PYTHON" -P -c 'import sys, cism; f = cism._kernels.__file__; sys.exit(0 if "build/sanitize" in f else f"not the sanitized build: {f}")'
 
 case "${1:-}" in

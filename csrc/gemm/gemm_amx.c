@@ -251,7 +251,8 @@ static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_ac
 #define Q8_MIN_TOKENS 8
 #define Q8_GROUPS 4 /* token groups of 16 per pass over the rows */
 
-static void amx_configure_q8(void) {
+/* kb: bytes of K per block (32 for int8 and int4 blocks, 16 for fp4). */
+static void amx_configure_q8(int kb) {
     volatile tile_config cfg;
     memset((void *)&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -259,12 +260,12 @@ static void amx_configure_q8(void) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    for (int t = 4; t < 6; t++) { /* A: 16 weight rows x 32 bytes */
+    for (int t = 4; t < 6; t++) { /* A: 16 weight rows x kb bytes */
         cfg.rows[t] = 16;
-        cfg.colsb[t] = 32;
+        cfg.colsb[t] = (uint16_t)kb;
     }
-    for (int t = 6; t < 8; t++) { /* B: 8 dword rows x 16 tokens */
-        cfg.rows[t] = 8;
+    for (int t = 6; t < 8; t++) { /* B: kb / 4 dword rows x 16 tokens */
+        cfg.rows[t] = (uint8_t)(kb / 4);
         cfg.colsb[t] = 64;
     }
     __asm__ volatile("" ::: "memory");
@@ -288,29 +289,32 @@ static void pack_q8_group(const cism_act *A, size_t t, size_t tn, size_t units, 
     }
 }
 
-/* Blocks b and b+1 (when two) of weight rows w (stride rb) times the B tiles
- * at Bg, into C tiles CA and CB, stored at c and c + 256. Tile numbers must
- * be constants: set 0 is C0/C1, set 1 C2/C3 (the operands A4/B6, A5/B7). */
+/* Blocks b and b+1 (when two) of weight rows w (stride rb, KB bytes per
+ * block) times the B tiles at Bg, into C tiles CA and CB, stored at c and
+ * c + 256. Tile numbers must be constants: set 0 is C0/C1, set 1 C2/C3
+ * (the operands A4/B6, A5/B7). */
 #define Q8_ISSUE(CA, CB)                                     \
     do {                                                     \
         _tile_zero(CA);                                      \
-        _tile_loadd(4, w + 32 * b, (long)rb);                \
-        _tile_loadd(6, Bg + 128 * b, 64);                    \
+        _tile_loadd(4, w + KB * b, (long)rb);                \
+        _tile_loadd(6, Bg + 4 * KB * b, 64);                 \
         _tile_dpbssd(CA, 4, 6);                              \
         if (two) {                                           \
             _tile_zero(CB);                                  \
-            _tile_loadd(5, w + 32 * (b + 1), (long)rb);      \
-            _tile_loadd(7, Bg + 128 * (b + 1), 64);          \
+            _tile_loadd(5, w + KB * (b + 1), (long)rb);      \
+            _tile_loadd(7, Bg + 4 * KB * (b + 1), 64);       \
             _tile_dpbssd(CB, 5, 7);                          \
         }                                                    \
         _tile_stored(CA, c, 64);                             \
         if (two) _tile_stored(CB, c + 256, 64);              \
     } while (0)
 
-ALWAYS_INLINE void q8_issue0(const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two, int32_t *c) {
+ALWAYS_INLINE void q8_issue0(const int KB, const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two,
+                             int32_t *c) {
     Q8_ISSUE(0, 1);
 }
-ALWAYS_INLINE void q8_issue1(const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two, int32_t *c) {
+ALWAYS_INLINE void q8_issue1(const int KB, const int8_t *w, size_t rb, const int32_t *Bg, size_t b, int two,
+                             int32_t *c) {
     Q8_ISSUE(2, 3);
 }
 
@@ -348,7 +352,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
         const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
         pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, S + g * units * 32);
     }
-    amx_configure_q8();
+    amx_configure_q8(32);
     /* 64 tokens at a time: their B tiles (64 x cols bytes) stay in L1 or
      * L2 while every row group goes through them */
     for (size_t g0 = 0; g0 < groups; g0 += Q8_GROUPS)
@@ -377,7 +381,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
              * goes through these rows, fetch the next 16 rows' line of each
              * step (two blocks = 64 bytes) */
             const int8_t *next = g == g0 && r + 32 <= r1 ? w + 16 * rb : NULL;
-            q8_issue0(w, rb, Bg, 0, blocks > 1, c);
+            q8_issue0(32, w, rb, Bg, 0, blocks > 1, c);
             for (size_t k = 0; k < steps; k += 2) {
                 const size_t b0 = 2 * k, b1 = b0 + 2, b2 = b0 + 4;
                 if (next)
@@ -385,9 +389,9 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
                         _mm_prefetch((const char *)(next + m * rb + 32 * b0), _MM_HINT_T0);
                         _mm_prefetch((const char *)(next + m * rb + 32 * b1), _MM_HINT_T0);
                     }
-                if (k + 1 < steps) q8_issue1(w, rb, Bg, b1, b1 + 1 < blocks, c + 512);
+                if (k + 1 < steps) q8_issue1(32, w, rb, Bg, b1, b1 + 1 < blocks, c + 512);
                 q8_fold(c, Sg, b0, b0 + 1 < blocks, acc);
-                if (k + 2 < steps) q8_issue0(w, rb, Bg, b2, b2 + 1 < blocks, c);
+                if (k + 2 < steps) q8_issue0(32, w, rb, Bg, b2, b2 + 1 < blocks, c);
                 if (k + 1 < steps) q8_fold(c + 512, Sg, b1, b1 + 1 < blocks, acc);
             }
             /* times the row scale, then transposed: lane m of out[n] is row m for token n */
@@ -404,12 +408,159 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
     free(mem);
 }
 
+/* ---- int4 and fp4 x q8 on the tile unit: the same rule, bit for bit ----
+ *
+ * kernels.h's chain for 4-bit weights needs the exact integer sum of each
+ * weight block (32 elements for int4, 16 for fp4) and a scale per (row,
+ * block). TDPBSSD multiplies signed bytes only, so each group of 16 rows is
+ * unpacked once per pass into a 16 x (64 * units) scratch of signed bytes
+ * (int4: code - 8; fp4: 2 * E2M1) in element order, with the rows' block
+ * scales as floats (int4: the stored scales; fp4: e4m3 * 0.5), zero for
+ * rows past the range. The tiles then run as for int8 over the scratch
+ * (K = 32 bytes per int4 block, 16 per fp4 block: B tiles of 8 or 4 dword
+ * rows of the same packed activations), and the fold computes c_b =
+ * wscale_b * ascale_b (one rounding, lane = token) before its fma. */
+
+/* Rows r..r+rn-1 (rn <= 16) as signed bytes at wb (row stride kp = 64 *
+ * units; rows rn..15 zero) and their block scales at cw (row stride ldc). */
+ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t rn, size_t units,
+                                int8_t *wb, float *cw, size_t ldc) {
+    const size_t kp = 64 * units, so = W->scale_offset;
+    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
+    for (size_t m = 0; m < 16; m++) {
+        int8_t *o = wb + m * kp;
+        if (m >= rn) {
+            memset(o, 0, kp);
+            memset(cw + m * ldc, 0, ldc * sizeof(float));
+            continue;
+        }
+        const uint8_t *row = (const uint8_t *)W->codes + (r + m) * W->row_bytes;
+        for (size_t u = 0; u < units; u++) {
+            __m512i v;
+            if (S == CISM_INT4) {
+                v = _mm512_sub_epi8(nib_unit_u8(CISM_INT4, row, u), _mm512_set1_epi8(8));
+            } else {
+                /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi8(15));
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
+                /* [0-15 | 32-47] and [16-31 | 48-63] -> element order */
+                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)),
+                                                     _mm256_unpackhi_epi8(lo, hi), 1);
+                const __m512i nib = _mm512_shuffle_i64x2(z, z, 0xd8);
+                v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2)), nib);
+            }
+            _mm512_store_si512((void *)(o + 64 * u), v);
+        }
+        /* blocks past the row are never issued; their scales stay 0 */
+        for (size_t b = 0; b < ldc; b++)
+            cw[m * ldc + b] = b >= blocks ? 0.0f
+                              : S == CISM_INT4 ? cism_int4_scale(row, so, b) : e4m3_half[row[so + b]];
+    }
+}
+
+/* The chain step of blocks b (and b+1), weight scales from cw (row stride
+ * ldc): acc[m] = fma((float)C[m][:], ascale[:] * cw[m][b], acc[m]). */
+ALWAYS_INLINE void nib_fold(const int S, const int32_t *c, const float *Sg, const float *cw, size_t ldc,
+                            size_t b, int two, __m512 acc[16]) {
+    for (int q = 0; q < 1 + two; q++) {
+        const size_t blk = b + q;
+        const __m512 s = _mm512_load_ps(Sg + 16 * (S == CISM_INT4 ? blk : blk / 2));
+        for (int m = 0; m < 16; m++) {
+            const __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(cw[m * ldc + blk]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 256 * q + 16 * m))),
+                                     sc, acc[m]);
+        }
+    }
+}
+
+ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                    size_t T, float *Y, size_t ldy) {
+    const int KB = S == CISM_INT4 ? 32 : 16;
+    if (T < Q8_MIN_TOKENS) {
+        if (S == CISM_INT4) gemm_int4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
+        else gemm_fp4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    if (r1 <= r0) return;
+    const size_t units = cism_div_up(W->cols, 64), blocks = cism_div_up(W->cols, (size_t)KB);
+    const size_t groups = cism_div_up(T, 16), kp = 64 * units, ldc = units * (64 / KB), rb = W->row_bytes;
+    const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
+    const size_t w_bytes = 16 * kp, c_bytes = cism_div_up(16 * ldc * sizeof(float), 64) * 64;
+    uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + 4096 + w_bytes + c_bytes);
+    if (!mem) { /* the VNNI tiles need no scratch and give the same bits */
+        if (S == CISM_INT4) gemm_int4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
+        else gemm_fp4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sc = (float *)(mem + b_bytes);
+    int32_t *c = (int32_t *)(mem + b_bytes + s_bytes);
+    int8_t *wb = (int8_t *)(mem + b_bytes + s_bytes + 4096);
+    float *cw = (float *)(mem + b_bytes + s_bytes + 4096 + w_bytes);
+    for (size_t g = 0; g < groups; g++) {
+        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, Sc + g * units * 32);
+    }
+    amx_configure_q8(KB);
+    const size_t steps = cism_div_up(blocks, 2);
+    for (size_t g0 = 0; g0 < groups; g0 += Q8_GROUPS)
+    for (size_t r = r0; r < r1; r += 16) {
+        const size_t g1 = groups - g0 < Q8_GROUPS ? groups : g0 + Q8_GROUPS;
+        const size_t rn = r1 - r < 16 ? r1 - r : 16;
+        nib_unpack16(S, W, r, rn, units, wb, cw, ldc);
+        /* while the first token group goes through these rows, fetch the
+         * next group's packed rows, one line of each per step */
+        const uint8_t *next = r + 32 <= r1 ? (const uint8_t *)W->codes + (r + 16) * rb : NULL;
+        for (size_t g = g0; g < g1; g++) {
+            const int32_t *Bg = B + g * units * 256;
+            const float *Sg = Sc + g * units * 32;
+            __m512 acc[16];
+            for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+            /* two blocks per step, pipelined as in gemm_int8_q8_amx */
+            q8_issue0(KB, wb, kp, Bg, 0, blocks > 1, c);
+            for (size_t k = 0; k < steps; k += 2) {
+                const size_t b0 = 2 * k, b1 = b0 + 2, b2 = b0 + 4;
+                if (next && g == g0)
+                    for (size_t h = 0; h < 2; h++)
+                        if (64 * (k + h) < rb)
+                            for (int m = 0; m < 16; m++)
+                                _mm_prefetch((const char *)(next + m * rb + 64 * (k + h)), _MM_HINT_T0);
+                if (k + 1 < steps) q8_issue1(KB, wb, kp, Bg, b1, b1 + 1 < blocks, c + 512);
+                nib_fold(S, c, Sg, cw, ldc, b0, b0 + 1 < blocks, acc);
+                if (k + 2 < steps) q8_issue0(KB, wb, kp, Bg, b2, b2 + 1 < blocks, c);
+                if (k + 1 < steps) nib_fold(S, c + 512, Sg, cw, ldc, b1, b1 + 1 < blocks, acc);
+            }
+            /* transposed: lane m of out[n] is row m for token n */
+            __m512i in[16], out[16];
+            for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
+            transpose16(in, out);
+            const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+            const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+            for (size_t n = 0; n < tn; n++)
+                _mm512_mask_storeu_ps(Y + (16 * g + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+        }
+    }
+    _tile_release();
+    free(mem);
+}
+
+static void gemm_int4_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                             float *Y, size_t ldy) {
+    gemm_nq8_amx_tpl(CISM_INT4, W, r0, r1, A, T, Y, ldy);
+}
+static void gemm_fp4_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                            float *Y, size_t ldy) {
+    gemm_nq8_amx_tpl(CISM_FP4, W, r0, r1, A, T, Y, ldy);
+}
+
 void cism_fill_gemm_amx(cism_kernels *k) {
-    for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
-    e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
+    fill_e4m3_half();
     k->gemm_bf16 = gemm_bf16_amx;
     k->pack_bf16 = pack_bf16_amx;
     k->name_gemm_bf16 = "amx";
     k->gemm_int8_q8 = gemm_int8_q8_amx;
+    k->gemm_int4_q8 = gemm_int4_q8_amx;
+    k->gemm_fp4_q8 = gemm_fp4_q8_amx;
     k->name_gemm_q = "amx";
 }

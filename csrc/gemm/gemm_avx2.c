@@ -19,13 +19,14 @@
  * Tiling (16 ymm registers; an R rows x TT tokens tile holds 2*R*TT
  * accumulators). Decode (T = 1) runs R independent weight streams: 6 rows for
  * fp32/fp16/int8 weights, 4 where the dequantization needs more registers,
- * spread over the caller's rows (j, j + L, ...) as in gemm_avx512.c; int8 x
- * q8 runs 8 (the dots whose block sums one reduction finishes together).
- * Multi-token calls run 3x2 tiles (fp32/fp16/int8 weights: each activation
- * vector feeds 3 rows), 4x2 for int8 x q8, or 2x3 tiles (4-bit weights: each
- * dequantized vector feeds 3 tokens) over chunks of TOKEN_CHUNK tokens that stay in L2; measured
- * on a 512x4096 matrix, T = 64, one core: 3x2 gives fp16 22 GMAC/s against 17
- * for 2x3, 2x3 gives fp4 16 against 13.
+ * spread over the caller's rows (j, j + L, ...) as in gemm_avx512.c; every
+ * storage x q8 runs 8 (the dots whose block sums one reduction finishes
+ * together). Multi-token calls run 3x2 tiles (fp32/fp16/int8 weights: each
+ * activation vector feeds 3 rows), 2x3 tiles (4-bit weights: each
+ * dequantized vector feeds 3 tokens) or 4x2 tiles (x q8: one reduction)
+ * over chunks of TOKEN_CHUNK tokens that stay in L2; measured on a 512x4096
+ * matrix, T = 64, one core: 3x2 gives fp16 22 GMAC/s against 17 for 2x3,
+ * 2x3 gives fp4 16 against 13.
  *
  * GCC 12 note: _mm256_broadcast_ss(ptr) acts as a memory clobber for the
  * accumulator arrays (they were stored to the stack on every iteration), so
@@ -40,10 +41,9 @@
 #define TOKEN_CHUNK 64
 #define DECODE_ROWS 6     /* T = 1, fp32/fp16/int8 weights x fp32 activations */
 #define DECODE_ROWS_NIB 4 /* T = 1, int4/fp4 weights x fp32 activations */
-#define DECODE_ROWS_Q 4   /* T = 1, quantized activations */
 #define MAX_R 6           /* array bounds only: loops run to the compile-time R and TT */
 #define MAX_T 3
-_Static_assert(DECODE_ROWS <= MAX_R && DECODE_ROWS_NIB <= MAX_R && DECODE_ROWS_Q <= MAX_R, "tile rows");
+_Static_assert(DECODE_ROWS <= MAX_R && DECODE_ROWS_NIB <= MAX_R, "tile rows");
 
 static float e4m3_half[256]; /* e4m3(b) * 0.5, exact; filled by the table filler */
 
@@ -274,7 +274,7 @@ GEMM_F32(gemm_fp4_avx2, CISM_FP4)
 
 /* ---- quantized activations ---- */
 
-enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP4 = 2 }; /* weights x q8, x q16, x q16 */
+enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP4 = 2 }; /* int8, int4, fp4 weights x q8 */
 
 /* int8 x q8, one 32-byte block per step: lane j first holds the exact sum of
  * the products 4j..4j+3. maddubs(|a|, sign(a) w) pairs stay within int16
@@ -333,101 +333,94 @@ ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_
     }
 }
 
-/* int4 x q16, one 32-element block: lo = elements 0-15 (pairs -> lanes 0-7),
- * hi = elements 16-31 (lanes 8-15), as int16 code - 8. */
-ALWAYS_INLINE void int4_block_i16(const uint8_t *codes, __m256i *lo, __m256i *hi) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
-    const __m256i eight = _mm256_set1_epi16(8);
-    *lo = _mm256_sub_epi16(_mm256_and_si256(b, _mm256_set1_epi16(15)), eight);
-    *hi = _mm256_sub_epi16(_mm256_srli_epi16(b, 4), eight);
-}
-
-ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
-                              const cism_act *A, size_t t, float *Y, size_t ldy) {
-    const size_t blocks = cism_div_up(W->cols, 32), so = W->scale_offset;
-    const uint8_t *p[MAX_R];
-    __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
-    for (int i = 0; i < R; i++) {
-        p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-        for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+/* int4 / fp4 x q8: the same rule with c_b = wscale_b * ascale_b (kernels.h).
+ * A unit is 32 elements: one int4 block, or fp4 blocks 2u and 2u + 1 (one
+ * per 128-bit lane); the weights as signed bytes in element order go
+ * through dot4_i8 like int8 codes (|w| <= 12). */
+ALWAYS_INLINE __m256i nib_unit_i8(const int S, const uint8_t *codes, size_t u) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)(codes + 16 * u));
+    if (S == CISM_INT4) { /* byte t: element t (low nibble), t + 16 (high) */
+        const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(15));
+        return _mm256_sub_epi8(c, _mm256_set1_epi8(8));
     }
-    for (size_t b = 0; b < blocks; b++) {
-        __m256i al[MAX_T], ah[MAX_T];
-        __m256 as[MAX_T];
-        for (int j = 0; j < TT; j++) {
-            const int16_t *a = A->q16 + (t + j) * A->ldq + 32 * b;
-            al[j] = _mm256_loadu_si256((const __m256i *)a);
-            ah[j] = _mm256_loadu_si256((const __m256i *)(a + 16));
-            as[j] = _mm256_set1_ps(A->qscale[(t + j) * A->ldqs + b]);
-        }
-        for (int i = 0; i < R; i++) {
-            __m256i wl, wh;
-            int4_block_i16(p[i] + 16 * b, &wl, &wh);
-            const __m256 ws = _mm256_set1_ps(cism_int4_scale(p[i], so, b));
-            for (int j = 0; j < TT; j++) {
-                const __m256 s = _mm256_mul_ps(ws, as[j]); /* = wscale_b * ascale_b */
-                lo[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wl, al[j])), s, lo[i][j]);
-                hi[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wh, ah[j])), s, hi[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]);
-}
-
-/* fp4 x q16, 32 elements = fp4 blocks 2u (lo: elements 0-15, lanes 0-7) and
- * 2u+1 (hi: elements 16-31, lanes 8-15), as int16 2*E2M1 values. */
-ALWAYS_INLINE void fp4_unit_i16(const uint8_t *codes, __m256i *lo, __m256i *hi) {
     __m128i v0, v1;
-    fp4_values(codes, &v0, &v1);
-    *lo = _mm256_cvtepi8_epi16(v0);
-    *hi = _mm256_cvtepi8_epi16(v1);
+    fp4_values(codes + 16 * u, &v0, &v1);
+    return _mm256_set_m128i(v1, v0);
 }
 
-ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
-                              const cism_act *A, size_t t, float *Y, size_t ldy) {
+/* fp4: lane p of *e (*o) = the sum of v[p]'s lanes 0-3 (4-7), i.e. block 2u
+ * (2u + 1) of dot p (integers: any order). */
+ALWAYS_INLINE void block_sums4x2(const __m256i v[8], __m256i *e, __m256i *o) {
+    __m256i a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    *e = _mm256_permute2x128_si256(b[0], b[1], 0x20);
+    *o = _mm256_permute2x128_si256(b[0], b[1], 0x31);
+}
+
+/* Lane p = v[p / TT] (a value of dot p's row), 0 past P = R * TT. */
+ALWAYS_INLINE __m256 per_row8(const float *v, const int R, const int TT) {
+    float l[8];
+    for (int p = 0; p < 8; p++) l[p] = p < R * TT ? v[p / TT] : 0.0f;
+    return _mm256_setr_ps(l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7]);
+}
+
+/* An R x TT tile of int4 or fp4 x q8 dots (R * TT <= 8), dot p = i * TT + j
+ * in lane p; blocks past the row are never folded in. */
+ALWAYS_INLINE void tile_nq8(const int S, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
+                            const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t units = cism_div_up(W->cols, 32), so = W->scale_offset;
-    const uint8_t *p[MAX_R];
-    __m256 lo[MAX_R][MAX_T], hi[MAX_R][MAX_T];
-    for (int i = 0; i < R; i++) {
-        p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-        for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
-    }
+    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
+    const int P = R * TT;
+    const uint8_t *rows[8];
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
     for (size_t u = 0; u < units; u++) {
-        __m256i al[MAX_T], ah[MAX_T];
-        __m256 as[MAX_T];
+        __m256i a[8], aa[8], v[8];
+        float sc[8];
         for (int j = 0; j < TT; j++) {
-            const int16_t *a = A->q16 + (t + j) * A->ldq + 32 * u;
-            al[j] = _mm256_loadu_si256((const __m256i *)a);
-            ah[j] = _mm256_loadu_si256((const __m256i *)(a + 16));
-            as[j] = _mm256_set1_ps(A->qscale[(t + j) * A->ldqs + u]);
+            a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 32 * u));
+            aa[j] = _mm256_abs_epi8(a[j]);
+            sc[j] = A->qscale[(t + j) * A->ldqs + u];
         }
         for (int i = 0; i < R; i++) {
-            __m256i wl, wh;
-            fp4_unit_i16(p[i] + 16 * u, &wl, &wh);
-            /* the odd block may lie past the row: its scale byte is then the
-             * next row's first code byte (or slack) and meets zero activations;
-             * the table maps the two NaN codes to 0 so nothing can poison it */
-            const uint8_t *sb = p[i] + so + 2 * u;
-            const __m256 sl = _mm256_set1_ps(e4m3_half[sb[0]]);
-            const __m256 sh = _mm256_set1_ps(e4m3_half[sb[1]]);
-            for (int j = 0; j < TT; j++) {
-                const __m256 pl = _mm256_cvtepi32_ps(_mm256_madd_epi16(wl, al[j]));
-                const __m256 ph = _mm256_cvtepi32_ps(_mm256_madd_epi16(wh, ah[j]));
-                lo[i][j] = _mm256_fmadd_ps(pl, _mm256_mul_ps(sl, as[j]), lo[i][j]);
-                hi[i][j] = _mm256_fmadd_ps(ph, _mm256_mul_ps(sh, as[j]), hi[i][j]);
+            const __m256i w = nib_unit_i8(S, rows[i], u);
+            for (int j = 0; j < TT; j++) v[i * TT + j] = dot4_i8(aa[j], a[j], w);
+        }
+        for (int p = P; p < 8; p++) v[p] = _mm256_setzero_si256();
+        const __m256 ca = _mm256_setr_ps(sc[0 % TT], sc[1 % TT], sc[2 % TT], sc[3 % TT], sc[4 % TT], sc[5 % TT],
+                                         sc[6 % TT], sc[7 % TT]);
+        if (S == CISM_INT4) {
+            float ws[8];
+            for (int i = 0; i < R; i++) ws[i] = cism_int4_scale(rows[i], so, u);
+            const __m256 c = _mm256_mul_ps(per_row8(ws, R, TT), ca); /* = wscale_b * ascale_b */
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums8(v)), c, acc);
+        } else {
+            __m256i e, o;
+            block_sums4x2(v, &e, &o);
+            float w0[8], w1[8]; /* the odd block's byte is read only when it exists */
+            for (int i = 0; i < R; i++) {
+                w0[i] = e4m3_half[rows[i][so + 2 * u]];
+                w1[i] = 2 * u + 1 < blocks ? e4m3_half[rows[i][so + 2 * u + 1]] : 0.0f;
             }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_mul_ps(per_row8(w0, R, TT), ca), acc);
+            if (2 * u + 1 < blocks)
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(per_row8(w1, R, TT), ca), acc);
         }
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum2(lo[i][j], hi[i][j]);
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int p = 0; p < P; p++) Y[(t + p % TT) * ldy + r + (size_t)(p / TT) * rs] = out[p];
 }
 
 ALWAYS_INLINE void tile_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                           const cism_act *A, size_t t, float *Y, size_t ldy) {
     if (kind == Q_INT8) tile_i8q8(R, TT, W, r, rs, A, t, Y, ldy);
-    else if (kind == Q_INT4) tile_i4q16(R, TT, W, r, rs, A, t, Y, ldy);
-    else tile_f4q16(R, TT, W, r, rs, A, t, Y, ldy);
+    else tile_nq8(kind == Q_INT4 ? CISM_INT4 : CISM_FP4, R, TT, W, r, rs, A, t, Y, ldy);
 }
 
 ALWAYS_INLINE void rows_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r,
@@ -444,20 +437,19 @@ ALWAYS_INLINE void rows_q(const int kind, const int R, const int TT, const cism_
 ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size_t r1,
                               const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
-        /* spread rows, as above; int8 sums 8 dots' blocks at once */
-        const int RD = kind == Q_INT8 ? 8 : DECODE_ROWS_Q;
-        const size_t L = (r1 - r0) / RD;
-        for (size_t j = 0; j < L; j++) tile_q(kind, RD, 1, W, r0 + j, L, A, 0, Y, ldy);
-        for (size_t r = r0 + RD * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
+        /* 8 streams spread over the rows, as above: the dots whose block
+         * sums one reduction finishes together */
+        const size_t L = (r1 - r0) / 8;
+        for (size_t j = 0; j < L; j++) tile_q(kind, 8, 1, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + 8 * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
-    /* int8: 4 x 2 tiles (the 8 dots of one block sum); 4-bit: more tokens */
-    const int R = kind == Q_INT8 ? 4 : 2, TT = kind == Q_INT8 ? 2 : 3;
+    /* 4 x 2 tiles: the 8 dots of one reduction */
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
         size_t r = r0;
-        for (; r + R <= r1; r += R) rows_q(kind, R, TT, W, r, A, t0, t1, Y, ldy);
-        for (; r < r1; r++) rows_q(kind, 1, TT, W, r, A, t0, t1, Y, ldy);
+        for (; r + 4 <= r1; r += 4) rows_q(kind, 4, 2, W, r, A, t0, t1, Y, ldy);
+        for (; r < r1; r++) rows_q(kind, 1, 2, W, r, A, t0, t1, Y, ldy);
     }
 }
 
@@ -465,12 +457,12 @@ static void gemm_int8_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cis
                               size_t T, float *Y, size_t ldy) {
     gemm_q_tpl(Q_INT8, W, r0, r1, A, T, Y, ldy);
 }
-static void gemm_int4_q16_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                               size_t T, float *Y, size_t ldy) {
+static void gemm_int4_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                              size_t T, float *Y, size_t ldy) {
     gemm_q_tpl(Q_INT4, W, r0, r1, A, T, Y, ldy);
 }
-static void gemm_fp4_q16_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                              size_t T, float *Y, size_t ldy) {
+static void gemm_fp4_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                             size_t T, float *Y, size_t ldy) {
     gemm_q_tpl(Q_FP4, W, r0, r1, A, T, Y, ldy);
 }
 
@@ -565,23 +557,6 @@ ALWAYS_INLINE __m256i quant_lanes(__m256 v, __m256 in, __m256 norm, __m256 limit
     return _mm256_cvtps_epi32(_mm256_and_ps(q, in));
 }
 
-static void quant16_avx2(const float *x, size_t n, int16_t *q, float *scales) {
-    const size_t len = cism_act_len(n);
-    const __m256 limit = _mm256_set1_ps(32767.0f);
-    for (size_t b = 0; b * 32 < len; b++) {
-        __m256 v[4], in[4];
-        float m = block_absmax(x, 32 * b, n, v, in);
-        const __m256 norm = _mm256_set1_ps(quant_norm(&m, 32767.0f));
-        scales[b] = m / 32767.0f;
-        for (int k = 0; k < 4; k += 2) {
-            /* packs works per 128-bit lane; the permute restores element order */
-            const __m256i p = _mm256_packs_epi32(quant_lanes(v[k], in[k], norm, limit),
-                                                 quant_lanes(v[k + 1], in[k + 1], norm, limit));
-            _mm256_storeu_si256((__m256i *)(q + 32 * b + 8 * k), _mm256_permute4x64_epi64(p, 0xd8));
-        }
-    }
-}
-
 static void quant8_avx2(const float *x, size_t n, int8_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     const __m256 limit = _mm256_set1_ps(127.0f);
@@ -608,12 +583,11 @@ void cism_fill_gemm_avx2(cism_kernels *k) {
     k->gemm[CISM_INT4] = gemm_int4_avx2;
     k->gemm[CISM_FP4] = gemm_fp4_avx2;
     k->gemm_int8_q8 = gemm_int8_q8_avx2;
-    k->gemm_int4_q16 = gemm_int4_q16_avx2;
-    k->gemm_fp4_q16 = gemm_fp4_q16_avx2;
+    k->gemm_int4_q8 = gemm_int4_q8_avx2;
+    k->gemm_fp4_q8 = gemm_fp4_q8_avx2;
     k->dot = dot_avx2;
     k->axpy = axpy_avx2;
     k->axpy_tile = axpy_tile_avx2;
-    k->quant16 = quant16_avx2;
     k->quant8 = quant8_avx2;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx2";
 }

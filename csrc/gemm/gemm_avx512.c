@@ -18,10 +18,11 @@
  * aligned heap buffer once per chunk (rows_deq), so the unpacking is
  * shared by up to 64 tokens and the fp32 tile does the rest.
  *
- * int8 x q8 is the exception to the 16-lane form (kernels.h): one chain
- * per dot over exact integer block sums; its tiles (8 rows for decode, 4 x 4
- * for several tokens) finish the block sums of 8 dots in one reduction
- * (block_sums8) and keep 8 dots' chains in one ymm. */
+ * Integer weights x q8 activations are the exception to the 16-lane form
+ * (kernels.h): one chain per dot over exact integer block sums; their tiles
+ * (8 rows for decode, 4 x 4 for several tokens) finish the block sums of 8
+ * dots in one reduction (block_sums8, block_sums4x4) and keep 8 dots'
+ * chains in one ymm. */
 #include "../kernels.h"
 
 #include <immintrin.h>
@@ -30,7 +31,14 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TOKEN_CHUNK 64
 
-static float e4m3_half[256]; /* e4m3(b) * 0.5, exact; filled by the table filler */
+/* e4m3(b) * 0.5, exact. Each translation unit that includes this file
+ * (avx512, avx512vnni, amx) has its own copy, filled by its table filler. */
+static float e4m3_half[256];
+
+static void fill_e4m3_half(void) {
+    for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
+    e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
+}
 
 ALWAYS_INLINE float hsum(__m512 v) {
     const __m256 lo = _mm512_castps512_ps256(v);
@@ -554,153 +562,291 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
     }
 }
 
-/* int4 x q16, one 32-element block per step: lane j = pair (2j, 2j+1). */
-ALWAYS_INLINE __m512i int4_block_i16(const uint8_t *codes) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
-    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(15));
-    const __m256i hi = _mm256_srli_epi16(b, 4);
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_sub_epi16(w, _mm512_set1_epi16(8));
+/* ---- int4 and fp4 x q8: the same rule with a scale per (row, block) ----
+ *
+ * A 64-element unit of weights is unpacked to unsigned bytes (int4: the
+ * codes 0..15; fp4: 2*E2M1 + 12, 0..24) and multiplied with the q8
+ * activations by vpdpbusd, or by maddubs + madd without VNNI (unsigned x
+ * signed pairs stay far inside int16: 2 * 24 * 127). Each lane sum starts
+ * from -bias * (the activations' four-element sums), so it ends at exactly
+ * sum(w * a). int4 bytes come out in element order (block 2u in lanes
+ * 0-7, block 2u+1 in lanes 8-15, as for int8); fp4 bytes come out as
+ * [even elements | odd elements] of each 16-element block, one block per
+ * 128-bit lane, and the activations are shuffled the same way (once per
+ * token and unit, for all the tile's rows). Integer sums: the order inside
+ * a block is free. The chain then runs over the blocks with c_b =
+ * wscale_b * ascale_b (one rounding), dots in lanes as for int8. */
+
+static const int8_t fp4_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+_Static_assert(sizeof fp4_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
+
+#define NIB_BIAS(S) ((S) == CISM_INT4 ? 8 : 12)
+
+/* Unit u of a 4-bit row as unsigned bytes (see above). */
+ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
+    const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
+    const __m512i low4 = _mm512_set1_epi8(15);
+    if (S == CISM_INT4) {
+        /* block c's 16 bytes hold element t in the low nibble and t + 16 in
+         * the high one: qwords [b0, b0, b1, b1] shifted by 0 or 4 */
+        const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), x);
+        return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), low4);
+    }
+    /* fp4: byte k holds elements 2k (low nibble) and 2k + 1 (high); block
+     * c's 8 bytes go to qword 2c shifted by 0 and qword 2c + 1 shifted by 4 */
+    const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x);
+    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4)), low4);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fp4_biased)), nib);
 }
 
-ALWAYS_INLINE void tile_i4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
-                              const cism_act *A, size_t t, float *Y, size_t ldy) {
-    const size_t blocks = cism_div_up(W->cols, 32);
-    row_ptr p[8];
-    __m512 acc[8][4];
-    for (int i = 0; i < R; i++) {
-        p[i] = row_at(CISM_INT4, W, r + i * rs);
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+/* Activation unit u of token row a in the weights' byte order. */
+ALWAYS_INLINE __m512i nib_act(const int S, const int8_t *a, size_t u) {
+    const __m512i v = _mm512_loadu_si512((const void *)(a + 64 * u));
+    if (S == CISM_INT4) return v;
+    const __m512i even_odd = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return _mm512_shuffle_epi8(v, even_odd);
+}
+
+/* u8 x s8 four-element lane sums added to acc: vpdpbusd, or maddubs + madd
+ * (exact here: the unsigned operand is at most 24). */
+ALWAYS_INLINE __m512i dot4_acc(const int VNNI, __m512i acc, __m512i w, __m512i a) {
+#ifdef __AVX512VNNI__
+    if (VNNI) return _mm512_dpbusd_epi32(acc, w, a);
+#endif
+    (void)VNNI;
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+}
+
+/* fp4 block sums of 8 dots: v[p] holds dot p's four-element sums of one
+ * unit, block k in 128-bit lane k; f01 gets [block 0 of dots 0-7 | block 1],
+ * f23 [block 2 | block 3] (integer additions: any order). */
+ALWAYS_INLINE void block_sums4x4(const __m512i v[8], __m512i *f01, __m512i *f23) {
+    __m512i a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* b[i], 128-bit lane k: block k of dots 4i .. 4i + 3 */
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i s01 = _mm512_shuffle_i32x4(b[0], b[1], 0x44), s23 = _mm512_shuffle_i32x4(b[0], b[1], 0xee);
+    *f01 = _mm512_shuffle_i32x4(s01, s01, 0xd8);
+    *f23 = _mm512_shuffle_i32x4(s23, s23, 0xd8);
+}
+
+/* 16 E4M3 scale bytes as e4m3 * 0.5, exactly: the byte's bits moved into a
+ * binary16 (exponent bias 15 instead of 7, subnormals included) is the
+ * value * 2^-8, which vcvtph2ps widens exactly; * 2^7 is exact. (The NaN
+ * codes, never packed, read as 240.) */
+ALWAYS_INLINE __m512 e4m3_half16(__m128i bytes) {
+    const __m256i w = _mm256_cvtepu8_epi16(bytes);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(128.0f));
+}
+
+/* 8 lanes of per-token values: lane p holds v[(8g + p) % TT]. */
+ALWAYS_INLINE __m256 per_token8(const float *v, const int TT, const int g) {
+    const int q = 8 * g;
+    return _mm256_setr_ps(v[(q + 0) % TT], v[(q + 1) % TT], v[(q + 2) % TT], v[(q + 3) % TT], v[(q + 4) % TT],
+                          v[(q + 5) % TT], v[(q + 6) % TT], v[(q + 7) % TT]);
+}
+
+/* 8 lanes of per-row values: lane p holds v[(8g + p) / TT] (0 past P). */
+ALWAYS_INLINE __m256 per_row8(const float *v, const int P, const int TT, const int g) {
+    float l[8];
+    for (int p = 0; p < 8; p++) l[p] = 8 * g + p < P ? v[(8 * g + p) / TT] : 0.0f;
+    return _mm256_setr_ps(l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7]);
+}
+
+ALWAYS_INLINE __m512 join8(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+ALWAYS_INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+ALWAYS_INLINE __m256 hi8(__m512 v) { return _mm512_extractf32x8_ps(v, 1); }
+
+/* out[k] lane i = in[i] lane k, for 8 x 8 doubles (here: pairs of floats). */
+ALWAYS_INLINE void transpose8_pd(const __m512d in[8], __m512d out[8]) {
+    __m512d t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_pd(in[i], in[i + 1]);     /* elements 0, 2, 4, 6 of rows i, i + 1 */
+        t[i + 1] = _mm512_unpackhi_pd(in[i], in[i + 1]); /* elements 1, 3, 5, 7 */
     }
-    for (size_t b = 0; b < blocks; b++) {
-        __m512i a[4];
-        float as[4];
-        for (int j = 0; j < TT; j++) {
-            a[j] = _mm512_loadu_si512((const void *)(A->q16 + (t + j) * A->ldq + 32 * b));
-            as[j] = A->qscale[(t + j) * A->ldqs + b];
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            u[i + h] = _mm512_shuffle_f64x2(t[i + h], t[i + 2 + h], 0x88);     /* elements 0, 4 (1, 5) */
+            u[i + 2 + h] = _mm512_shuffle_f64x2(t[i + h], t[i + 2 + h], 0xdd); /* elements 2, 6 (3, 7) */
         }
-        for (int i = 0; i < R; i++) {
-            const __m512i w = int4_block_i16(p[i].codes + 16 * b);
-            const float ws = int4_scale(p[i], W->scale_offset, b);
-            for (int j = 0; j < TT; j++) {
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, a[j]));
-                acc[i][j] = _mm512_fmadd_ps(s, _mm512_set1_ps(ws * as[j]), acc[i][j]);
-            }
-        }
+    /* u[0]: e0, e4 of rows 0-3; u[1]: e1, e5; u[2]: e2, e6; u[3]: e3, e7 */
+    for (int k = 0; k < 4; k++) {
+        out[k] = _mm512_shuffle_f64x2(u[k], u[4 + k], 0x88);
+        out[k + 4] = _mm512_shuffle_f64x2(u[k], u[4 + k], 0xdd);
     }
-    if (R == 4 && rs == 1) {
-        store_tile4(acc, 4, TT, NULL, r, Y + t * ldy, ldy);
+}
+
+/* Decode (8 rows, one token): the weight scales of units u0..u0+7 for the
+ * 8 rows, loaded 16 (int4) or 32 (fp4) blocks per row at a time and
+ * transposed so that lane p is row p. int4: cw[k] = [wscale 2u of rows
+ * 0-7 | wscale 2u + 1], u = u0 + k; fp4: cw[2k] = [block 4u | 4u + 1],
+ * cw[2k + 1] = [4u + 2 | 4u + 3] (e4m3 * 0.5). Loads stop at the row's
+ * last block; lanes past it are zero and never folded in. */
+ALWAYS_INLINE void row_scales8(const int S, const uint8_t *const rows[8], size_t so, size_t blocks, size_t u0,
+                               __m512 cw[16]) {
+    const __m512i even_odd = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m512d in[8], out[8];
+    if (S == CISM_INT4) {
+        const size_t b0 = 2 * u0, nb = blocks - b0 < 16 ? blocks - b0 : 16;
+        const __mmask16 m = (__mmask16)((1u << nb) - 1);
+        for (int i = 0; i < 8; i++)
+            in[i] = _mm512_castps_pd(_mm512_maskz_loadu_ps(m, (const float *)(rows[i] + so) + b0));
+        transpose8_pd(in, out);
+        for (int k = 0; k < 8; k++) cw[k] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[k]));
         return;
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]);
-}
-
-/* fp4 x q16, 32 elements (fp4 blocks 2u -> lanes 0-7, 2u+1 -> lanes 8-15). */
-ALWAYS_INLINE __m512i fp4_unit_i16(const uint8_t *codes) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)cism_e2m1_x2);
-    const __m128i x = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
-    const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); /* elements 0..15 */
-    const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); /* elements 16..31 */
-    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1));
-}
-
-ALWAYS_INLINE void tile_f4q16(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
-                              const cism_act *A, size_t t, float *Y, size_t ldy) {
-    const size_t units = cism_div_up(W->cols, 32);
-    row_ptr p[8];
-    __m512 acc[8][4];
-    for (int i = 0; i < R; i++) {
-        p[i] = row_at(CISM_FP4, W, r + i * rs);
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    const size_t b0 = 4 * u0, nb = blocks - b0 < 32 ? blocks - b0 : 32;
+    const __mmask32 m = nb >= 32 ? 0xffffffffu : (__mmask32)((1u << nb) - 1);
+    __m512d hi[8];
+    for (int i = 0; i < 8; i++) {
+        const __m256i x = _mm256_maskz_loadu_epi8(m, rows[i] + so + b0);
+        in[i] = _mm512_castps_pd(e4m3_half16(_mm256_castsi256_si128(x)));
+        hi[i] = _mm512_castps_pd(e4m3_half16(_mm256_extracti128_si256(x, 1)));
     }
+    transpose8_pd(in, out);
+    for (int q = 0; q < 8; q++) cw[q] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[q]));
+    transpose8_pd(hi, out);
+    for (int q = 0; q < 8; q++) cw[8 + q] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[q]));
+}
+
+/* An R x TT tile of int4 or fp4 x q8 dots (R * TT <= 16): rows r, r + rs,
+ * ..., tokens t..t+TT-1; dot p = i * TT + j sits in lane p % 8 of
+ * acc[p / 8]. Decode tiles (8 rows, one token) take their weight scales
+ * from row_scales8; the others read them per unit. Blocks past the row are
+ * never folded in. */
+ALWAYS_INLINE void tile_nq8(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
+                            size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const size_t units = cism_div_up(W->cols, 64), so = W->scale_offset;
+    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
+    const int P = R * TT, G = (P + 7) / 8, D = R == 8 && TT == 1;
+    const uint8_t *rows[8];
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m512 cws[16];
+    for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+    if (D)
+        for (int i = 0; i < 8; i++)
+            for (size_t u = 0; u < 16; u += 8)
+                _mm_prefetch((const char *)(rows[i] + so + (S == CISM_INT4 ? 8 : 4) * u), _MM_HINT_T0);
+    const __m512i bias = _mm512_set1_epi8(NIB_BIAS(S));
     for (size_t u = 0; u < units; u++) {
-        __m512i a[4];
-        __m512 as[4];
+        __m512i a[4], start[4], v[16];
         for (int j = 0; j < TT; j++) {
-            a[j] = _mm512_loadu_si512((const void *)(A->q16 + (t + j) * A->ldq + 32 * u));
-            as[j] = _mm512_set1_ps(A->qscale[(t + j) * A->ldqs + u]);
+            a[j] = nib_act(S, A->q8 + (t + j) * A->ldq, u);
+            start[j] = _mm512_sub_epi32(_mm512_setzero_si512(), dot4_acc(VNNI, _mm512_setzero_si512(), bias, a[j]));
         }
         for (int i = 0; i < R; i++) {
-            const __m512i w = fp4_unit_i16(p[i].codes + 16 * u);
-            /* the odd block may lie past the row: its scale byte is then the
-             * next row's first code byte (or slack) and meets zero activations;
-             * the table maps the two NaN codes to 0 so nothing can poison it */
-            const uint8_t *sb = p[i].codes + W->scale_offset;
-            const __m512 ws = _mm512_mask_blend_ps(0x00ff, _mm512_set1_ps(e4m3_half[sb[2 * u + 1]]),
-                                                   _mm512_set1_ps(e4m3_half[sb[2 * u]]));
-            for (int j = 0; j < TT; j++) {
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, a[j]));
-                acc[i][j] = _mm512_fmadd_ps(s, _mm512_mul_ps(ws, as[j]), acc[i][j]);
+            const __m512i w = nib_unit_u8(S, rows[i], u);
+            for (int j = 0; j < TT; j++) v[i * TT + j] = dot4_acc(VNNI, start[j], w, a[j]);
+        }
+        for (int p = P; p < 8 * G; p++) v[p] = _mm512_setzero_si512();
+        float s0[4], s1[4]; /* the tokens' scales of activation blocks 2u, 2u + 1 */
+        for (int j = 0; j < TT; j++) {
+            s0[j] = A->qscale[(t + j) * A->ldqs + 2 * u];
+            s1[j] = A->qscale[(t + j) * A->ldqs + 2 * u + 1];
+        }
+        if (D && u % 8 == 0) {
+            row_scales8(S, rows, so, blocks, u, cws);
+            /* the scales sit after the row's codes, out of the prefetchers'
+             * sight: ask for those of two steps ahead (prefetches past the
+             * matrix are harmless) */
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)(rows[i] + so + (S == CISM_INT4 ? 8 : 4) * (u + 16)), _MM_HINT_T0);
+        }
+        /* the rows' scales of this unit's blocks (0 past the row), when not transposed */
+        float ws[4][8];
+        if (!D)
+            for (int i = 0; i < R; i++)
+                for (int k = 0; k < (S == CISM_INT4 ? 2 : 4); k++) {
+                    const size_t b = (S == CISM_INT4 ? 2 : 4) * u + k;
+                    ws[k][i] = b >= blocks ? 0.0f
+                               : S == CISM_INT4 ? int4_scale(row_at(S, W, r + i * rs), so, b)
+                                                : e4m3_half[rows[i][so + b]];
+                }
+        for (int g = 0; g < G; g++) {
+            const __m256 a0 = per_token8(s0, TT, g), a1 = per_token8(s1, TT, g);
+            if (S == CISM_INT4) {
+                const __m512 f = _mm512_cvtepi32_ps(block_sums8(v + 8 * g));
+                const __m512 cw = D ? cws[u % 8] : join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
+                const __m512 c = _mm512_mul_ps(cw, join8(a0, a1)); /* wscale_b * ascale_b */
+                acc[g] = _mm256_fmadd_ps(lo8(f), lo8(c), acc[g]);
+                if (2 * u + 1 < blocks) acc[g] = _mm256_fmadd_ps(hi8(f), hi8(c), acc[g]);
+            } else {
+                __m512i f01, f23;
+                block_sums4x4(v + 8 * g, &f01, &f23);
+                const __m512 cw01 = D ? cws[2 * (u % 8)] : join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
+                const __m512 cw23 = D ? cws[2 * (u % 8) + 1] : join8(per_row8(ws[2], P, TT, g), per_row8(ws[3], P, TT, g));
+                const __m512 c01 = _mm512_mul_ps(cw01, join8(a0, a0)), c23 = _mm512_mul_ps(cw23, join8(a1, a1));
+                const __m512 g01 = _mm512_cvtepi32_ps(f01), g23 = _mm512_cvtepi32_ps(f23);
+                const size_t b = 4 * u;
+                acc[g] = _mm256_fmadd_ps(lo8(g01), lo8(c01), acc[g]);
+                if (b + 1 < blocks) acc[g] = _mm256_fmadd_ps(hi8(g01), hi8(c01), acc[g]);
+                if (b + 2 < blocks) acc[g] = _mm256_fmadd_ps(lo8(g23), lo8(c23), acc[g]);
+                if (b + 3 < blocks) acc[g] = _mm256_fmadd_ps(hi8(g23), hi8(c23), acc[g]);
             }
         }
     }
-    if (R == 4 && rs == 1) {
-        store_tile4(acc, 4, TT, NULL, r, Y + t * ldy, ldy);
-        return;
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = hsum(acc[i][j]);
+    float out[16];
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(out + 8 * g, acc[g]);
+    for (int p = 0; p < P; p++) Y[(t + p % TT) * ldy + r + (size_t)(p / TT) * rs] = out[p];
 }
 
-/* kind: 0 = int8 x q8, 1 = int8 x q8 with VNNI, 2 = int4 x q16, 3 = fp4 x q16 */
-ALWAYS_INLINE void tile_q(const int kind, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
-                          const cism_act *A, size_t t, float *Y, size_t ldy) {
-    if (kind <= 1) tile_i8q8(kind, R, TT, W, r, rs, A, t, Y, ldy);
-    else if (kind == 2) tile_i4q16(R, TT, W, r, rs, A, t, Y, ldy);
-    else tile_f4q16(R, TT, W, r, rs, A, t, Y, ldy);
+/* S: the weights' storage (int8, int4, fp4) x q8 activations. */
+ALWAYS_INLINE void tile_q(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
+                          size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
+    if (S == CISM_INT8) tile_i8q8(VNNI, R, TT, W, r, rs, A, t, Y, ldy);
+    else tile_nq8(S, VNNI, R, TT, W, r, rs, A, t, Y, ldy);
 }
 
-ALWAYS_INLINE void rows_q(const int kind, const int R, const cism_mat *W, size_t r,
+ALWAYS_INLINE void rows_q(const int S, const int VNNI, const int R, const cism_mat *W, size_t r,
                           const cism_act *A, size_t t0, size_t t1, float *Y, size_t ldy) {
     size_t t = t0;
-    for (; t + 4 <= t1; t += 4) tile_q(kind, R, 4, W, r, 1, A, t, Y, ldy);
+    for (; t + 4 <= t1; t += 4) tile_q(S, VNNI, R, 4, W, r, 1, A, t, Y, ldy);
     switch (t1 - t) {
-    case 3: tile_q(kind, R, 3, W, r, 1, A, t, Y, ldy); break;
-    case 2: tile_q(kind, R, 2, W, r, 1, A, t, Y, ldy); break;
-    case 1: tile_q(kind, R, 1, W, r, 1, A, t, Y, ldy); break;
+    case 3: tile_q(S, VNNI, R, 3, W, r, 1, A, t, Y, ldy); break;
+    case 2: tile_q(S, VNNI, R, 2, W, r, 1, A, t, Y, ldy); break;
+    case 1: tile_q(S, VNNI, R, 1, W, r, 1, A, t, Y, ldy); break;
     default: break;
     }
 }
 
-ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size_t r1,
+ALWAYS_INLINE void gemm_q_tpl(const int S, const int VNNI, const cism_mat *W, size_t r0, size_t r1,
                               const cism_act *A, size_t T, float *Y, size_t ldy) {
-    if (T == 1) { /* R streams spread over the rows, as in gemm_f32_tpl */
-        const int R = kind <= 1 ? 8 : 4;
-        const size_t L = (r1 - r0) / R;
-        for (size_t j = 0; j < L; j++) tile_q(kind, R, 1, W, r0 + j, L, A, 0, Y, ldy);
-        for (size_t r = r0 + R * L; r < r1; r++) tile_q(kind, 1, 1, W, r, 1, A, 0, Y, ldy);
+    if (T == 1) { /* 8 streams spread over the rows, as in gemm_f32_tpl */
+        const size_t L = (r1 - r0) / 8;
+        for (size_t j = 0; j < L; j++) tile_q(S, VNNI, 8, 1, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + 8 * L; r < r1; r++) tile_q(S, VNNI, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
         size_t r = r0;
-        for (; r + 4 <= r1; r += 4) rows_q(kind, 4, W, r, A, t0, t1, Y, ldy);
-        for (; r < r1; r++) rows_q(kind, 1, W, r, A, t0, t1, Y, ldy);
+        for (; r + 4 <= r1; r += 4) rows_q(S, VNNI, 4, W, r, A, t0, t1, Y, ldy);
+        for (; r < r1; r++) rows_q(S, VNNI, 1, W, r, A, t0, t1, Y, ldy);
     }
 }
 
-static void gemm_int8_q8_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                                size_t T, float *Y, size_t ldy) {
-    gemm_q_tpl(0, W, r0, r1, A, T, Y, ldy);
-}
-static void gemm_int4_q16_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                                 size_t T, float *Y, size_t ldy) {
-    gemm_q_tpl(2, W, r0, r1, A, T, Y, ldy);
-}
-static void gemm_fp4_q16_avx512(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                                size_t T, float *Y, size_t ldy) {
-    gemm_q_tpl(3, W, r0, r1, A, T, Y, ldy);
-}
-
+#define GEMM_Q(NAME, S, VNNI)                                                                    \
+    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
+                     float *Y, size_t ldy) {                                                     \
+        gemm_q_tpl(S, VNNI, W, r0, r1, A, T, Y, ldy);                                            \
+    }
+GEMM_Q(gemm_int8_q8_avx512, CISM_INT8, 0)
+GEMM_Q(gemm_int4_q8_avx512, CISM_INT4, 0)
+GEMM_Q(gemm_fp4_q8_avx512, CISM_FP4, 0)
 #ifdef __AVX512VNNI__
 /* Built only in the avx512vnni translation unit (gemm_avx512vnni.c includes this file). */
-static void gemm_int8_q8_avx512vnni(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                                    size_t T, float *Y, size_t ldy) {
-    gemm_q_tpl(1, W, r0, r1, A, T, Y, ldy);
-}
+GEMM_Q(gemm_int8_q8_avx512vnni, CISM_INT8, 1)
+GEMM_Q(gemm_int4_q8_avx512vnni, CISM_INT4, 1)
+GEMM_Q(gemm_fp4_q8_avx512vnni, CISM_FP4, 1)
 #endif
 
 /* ---- attention helpers and activation quantization ---- */
@@ -789,18 +935,6 @@ ALWAYS_INLINE __m512i quant_half(__m512 v, float norm, float limit) {
     return _mm512_cvtps_epi32(q);
 }
 
-static void quant16_avx512(const float *x, size_t n, int16_t *q, float *scales) {
-    const size_t len = cism_act_len(n);
-    for (size_t b = 0; b * 32 < len; b++) {
-        __m512 v0, v1;
-        float m = block_absmax(x, 32 * b, n, &v0, &v1);
-        const float norm = quant_norm(&m, 32767.0f);
-        scales[b] = m / 32767.0f;
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtepi32_epi16(quant_half(v0, norm, 32767.0f)));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtepi32_epi16(quant_half(v1, norm, 32767.0f)));
-    }
-}
-
 static void quant8_avx512(const float *x, size_t n, int8_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
@@ -815,20 +949,18 @@ static void quant8_avx512(const float *x, size_t n, int8_t *q, float *scales) {
 
 #ifndef __AVX512VNNI__
 void cism_fill_gemm_avx512(cism_kernels *k) {
-    for (int b = 0; b < 256; b++) e4m3_half[b] = cism_e4m3_to_f32((uint8_t)b) * 0.5f;
-    e4m3_half[0x7f] = e4m3_half[0xff] = 0.0f; /* NaN codes are never packed */
+    fill_e4m3_half();
     k->gemm[CISM_FP32] = gemm_fp32_avx512;
     k->gemm[CISM_FP16] = gemm_fp16_avx512;
     k->gemm[CISM_INT8] = gemm_int8_avx512;
     k->gemm[CISM_INT4] = gemm_int4_avx512;
     k->gemm[CISM_FP4] = gemm_fp4_avx512;
     k->gemm_int8_q8 = gemm_int8_q8_avx512;
-    k->gemm_int4_q16 = gemm_int4_q16_avx512;
-    k->gemm_fp4_q16 = gemm_fp4_q16_avx512;
+    k->gemm_int4_q8 = gemm_int4_q8_avx512;
+    k->gemm_fp4_q8 = gemm_fp4_q8_avx512;
     k->dot = dot_avx512;
     k->axpy = axpy_avx512;
     k->axpy_tile = axpy_tile_avx512;
-    k->quant16 = quant16_avx512;
     k->quant8 = quant8_avx512;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx512";
 }

@@ -49,58 +49,47 @@ static void gemm_int8_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism
     }
 }
 
-static void gemm_int4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                              size_t T, float *Y, size_t ldy) {
+static void gemm_int4_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                             size_t T, float *Y, size_t ldy) {
     const size_t n = W->cols, blocks = cism_div_up(n, 32);
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
         for (size_t t = 0; t < T; t++) {
-            const int16_t *a = A->q16 + t * A->ldq;
+            const int8_t *a = A->q8 + t * A->ldq;
             const float *as = A->qscale + t * A->ldqs;
-            float acc[16] = {0};
+            float acc = 0.0f;
             for (size_t b = 0; b < blocks; b++) {
-                int w[32];
-                for (int i = 0; i < 16; i++) {
-                    w[i] = (row[b * 16 + i] & 15) - 8;
-                    w[i + 16] = (row[b * 16 + i] >> 4) - 8;
+                int32_t s = 0; /* exact: |s| <= 32 * 8 * 127; activations past n are zero */
+                for (size_t i = 0; i < 16; i++) {
+                    const uint8_t byte = row[b * 16 + i];
+                    s += ((byte & 15) - 8) * a[b * 32 + i] + ((byte >> 4) - 8) * a[b * 32 + 16 + i];
                 }
-                const float s = cism_int4_scale(row, W->scale_offset, b) * as[b];
-                for (size_t j = 0; j < 16; j++) {
-                    /* activations past n are zero, so their products vanish */
-                    const int32_t p = w[2 * j] * a[b * 32 + 2 * j] + w[2 * j + 1] * a[b * 32 + 2 * j + 1];
-                    acc[j] = fmaf((float)p, s, acc[j]);
-                }
+                acc = fmaf((float)s, cism_int4_scale(row, W->scale_offset, b) * as[b], acc);
             }
-            Y[t * ldy + r] = cism_reduce16(acc);
+            Y[t * ldy + r] = acc;
         }
     }
 }
 
-static void gemm_fp4_q16_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                             size_t T, float *Y, size_t ldy) {
+static void gemm_fp4_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                            size_t T, float *Y, size_t ldy) {
     const size_t n = W->cols, blocks = cism_div_up(n, 16);
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
         const uint8_t *sb = row + W->scale_offset;
         for (size_t t = 0; t < T; t++) {
-            const int16_t *a = A->q16 + t * A->ldq;
+            const int8_t *a = A->q8 + t * A->ldq;
             const float *as = A->qscale + t * A->ldqs;
-            float acc[16] = {0};
+            float acc = 0.0f;
             for (size_t b = 0; b < blocks; b++) {
-                const float s = (cism_e4m3_to_f32(sb[b]) * 0.5f) * as[b / 2];
-                for (size_t j = 0; j < 8; j++) {
-                    int32_t p = 0;
-                    for (size_t i = 0; i < 2; i++) {
-                        const size_t e = b * 16 + 2 * j + i;
-                        if (e >= n) continue;
-                        const int code = (e % 2) ? (row[e / 2] >> 4) : (row[e / 2] & 15);
-                        p += cism_e2m1_x2[code] * a[e];
-                    }
-                    float *lane = &acc[8 * (b % 2) + j];
-                    *lane = fmaf((float)p, s, *lane);
+                int32_t s = 0; /* exact: |s| <= 16 * 12 * 127 */
+                for (size_t e = b * 16; e < b * 16 + 16 && e < n; e++) {
+                    const int code = (e % 2) ? (row[e / 2] >> 4) : (row[e / 2] & 15);
+                    s += cism_e2m1_x2[code] * a[e];
                 }
+                acc = fmaf((float)s, (cism_e4m3_to_f32(sb[b]) * 0.5f) * as[b / 2], acc);
             }
-            Y[t * ldy + r] = cism_reduce16(acc);
+            Y[t * ldy + r] = acc;
         }
     }
 }
@@ -126,21 +115,6 @@ static float block_absmax(const float *x, size_t start, size_t n) {
     return m;
 }
 
-static void quant16_ref(const float *x, size_t n, int16_t *q, float *scales) {
-    const size_t len = cism_act_len(n);
-    for (size_t b = 0; b * 32 < len; b++) {
-        float m = b * 32 < n ? block_absmax(x, b * 32, n) : 0.0f;
-        const float norm = quant_norm(&m, 32767.0f);
-        scales[b] = m / 32767.0f;
-        for (size_t i = b * 32; i < b * 32 + 32; i++) {
-            float v = i < n ? rintf(x[i] * norm) : 0.0f;
-            v = v < 32767.0f ? v : 32767.0f;
-            v = v > -32767.0f ? v : -32767.0f;
-            q[i] = (int16_t)v;
-        }
-    }
-}
-
 static void quant8_ref(const float *x, size_t n, int8_t *q, float *scales) {
     const size_t len = cism_act_len(n);
     for (size_t b = 0; b * 32 < len; b++) {
@@ -159,12 +133,11 @@ static void quant8_ref(const float *x, size_t n, int8_t *q, float *scales) {
 void cism_fill_gemm_ref(cism_kernels *k) {
     for (int s = 0; s < CISM_NUM_STORAGES; s++) k->gemm[s] = gemm_ref;
     k->gemm_int8_q8 = gemm_int8_q8_ref;
-    k->gemm_int4_q16 = gemm_int4_q16_ref;
-    k->gemm_fp4_q16 = gemm_fp4_q16_ref;
+    k->gemm_int4_q8 = gemm_int4_q8_ref;
+    k->gemm_fp4_q8 = gemm_fp4_q8_ref;
     k->dot = dot_ref;
     k->axpy = axpy_ref;
     k->axpy_tile = axpy_tile_ref;
-    k->quant16 = quant16_ref;
     k->quant8 = quant8_ref;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "ref";
 }
