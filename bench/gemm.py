@@ -1,7 +1,8 @@
 """Prefill gemm: GFLOP/s of the exact multi-token kernels against the opt-in
-bf16 (AMX) kernel on the same matrix and tokens, in the same run; for int8
-weights also the exact kernel with int8 activations ("int8 act": on the AMX
-tile unit where the CPU has AMX-INT8, else VNNI).
+bf16 (AMX) kernel on the same matrix and tokens, in the same run; for the
+integer storages (int8, int4, fp4) also the exact kernel with int8
+activations ("int8 act": on the AMX tile unit where the CPU has AMX-INT8,
+else the VNNI kernels).
 
     python bench/gemm.py [--threads 1] [--tokens 256] [--repeats 5] [--json]
 
@@ -30,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--storages", nargs="+", default=["fp32", "int8", "int4"])
+    ap.add_argument("--storages", nargs="+", default=["fp32", "int8", "int4", "fp4"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -42,7 +43,7 @@ def main(argv=None):
             X = rng.standard_normal((args.tokens, c)).astype(np.float32)
             exact = gflops(m, X, args.threads, args.repeats)
             q8 = None
-            if storage == "int8":
+            if storage in ("int8", "int4", "fp4"):
                 m.act_precision = "int8"
                 q8 = gflops(m, X, args.threads, args.repeats)
             fast = None

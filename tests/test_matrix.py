@@ -365,24 +365,26 @@ def test_q8_activations_follow_the_one_chain_rule(storage, isa_level):
         assert same_bits(m.gemv(X[7]), want[7]), isa
 
 
-@pytest.mark.skipif("amx" not in ISAS, reason="no AMX tile unit granted here")
+@pytest.mark.parametrize("isa", ["avx512vnni", "amx"])
 @pytest.mark.parametrize("storage", ["int8", "int4", "fp4"])
 @pytest.mark.parametrize("rows,cols", [(37, 1), (37, 33), (16, 64), (50, 100), (33, 1040)])
-def test_amx_integer_tiles_match_the_reference(storage, rows, cols, isa_level):
-    """The AMX integer x q8 gemms (8 tokens and more): row groups of 16
-    with a tail past the matrix end, token groups of 16 in passes of 64,
-    one to 65 blocks, any thread split: the reference bits.
-    (tests/test_amx_emulated.py runs the same kernels on an emulated unit
-    where there is no real one.)"""
+def test_integer_tiles_for_many_tokens_match_the_reference(isa, storage, rows, cols, isa_level):
+    """The integer x q8 gemms of 8 tokens and more (the VNNI tokens-in-lanes
+    kernel, the AMX tiles): row groups of 16 with a tail past the matrix
+    end, token groups of 16 in passes of 64, one to 65 blocks, any thread
+    split: the reference bits. (tests/test_amx_emulated.py runs the AMX
+    kernels on an emulated unit where there is no real one.)"""
+    if isa not in ISAS:
+        pytest.skip(f"{isa} does not run here")
     r = rng(rows * cols)
     W = special_matrix(rows, cols, seed=cols).astype(np.float32)
     m = Matrix(W, storage)
     m.act_precision = "int8"
-    for T in (8, 16, 17, 64, 65, 130):
+    for T in (8, 15, 16, 17, 64, 65, 130):
         X = (r.standard_normal((T, cols)) * r.choice([1e-3, 1.0, 50.0], size=(T, 1))).astype(np.float32)
         isa_level("ref")
         want = m.gemm(X, threads=1)
-        isa_level("amx")
+        isa_level(isa)
         for threads in (1, 2, 3):
             assert same_bits(m.gemm(X, threads=threads), want), (T, threads)
 

@@ -72,33 +72,6 @@ static void pack_bf16_amx(const float *x, size_t n, uint16_t *out, size_t stride
     }
 }
 
-/* 16 x 16 dwords: in[i] holds row i; returns the transpose in out[j]. */
-ALWAYS_INLINE void transpose16(const __m512i in[16], __m512i out[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-    }
-    /* b[4q + s] holds, in 128-bit lane L, elements 4L..4L+3 of column
-     * group s... of rows 4q..4q+3: gather lanes across q */
-    for (int s = 0; s < 4; s++) {
-        const __m512i t0 = _mm512_shuffle_i32x4(b[s], b[4 + s], 0x88);
-        const __m512i t1 = _mm512_shuffle_i32x4(b[s], b[4 + s], 0xdd);
-        const __m512i t2 = _mm512_shuffle_i32x4(b[8 + s], b[12 + s], 0x88);
-        const __m512i t3 = _mm512_shuffle_i32x4(b[8 + s], b[12 + s], 0xdd);
-        out[s] = _mm512_shuffle_i32x4(t0, t2, 0x88);
-        out[8 + s] = _mm512_shuffle_i32x4(t0, t2, 0xdd);
-        out[4 + s] = _mm512_shuffle_i32x4(t1, t3, 0x88);
-        out[12 + s] = _mm512_shuffle_i32x4(t1, t3, 0xdd);
-    }
-}
-
 /* Rows r..r+R-1 (R <= 32; missing rows are zero) as B blocks: block
  * (j, kb) at B + (j * kblocks + kb) * 512 holds, in its row p, the pairs
  * (w[16j + i][32kb + 2p], w[16j + i][32kb + 2p + 1]) for i = 0..15.
@@ -272,23 +245,6 @@ static void amx_configure_q8(int kb) {
     _tile_loadconfig((const void *)&cfg);
 }
 
-/* Tokens t..t+tn-1 (tn <= 16, missing ones zero) as B tiles: block b at
- * B + 512 b, its row k holding dword k of the block for each token; and
- * their block scales at S + 16 b. */
-static void pack_q8_group(const cism_act *A, size_t t, size_t tn, size_t units, int32_t *B, float *S) {
-    for (size_t u = 0; u < units; u++) {
-        __m512i in[16], out[16];
-        for (size_t n = 0; n < 16; n++)
-            in[n] = n < tn ? _mm512_loadu_si512((const void *)(A->q8 + (t + n) * A->ldq + 64 * u))
-                           : _mm512_setzero_si512();
-        transpose16(in, out); /* out[k] = dword k of the unit, all tokens */
-        for (int k = 0; k < 16; k++) _mm512_store_si512((void *)(B + 256 * u + 16 * k), out[k]);
-        for (size_t h = 0; h < 2; h++)
-            for (size_t n = 0; n < 16; n++)
-                S[16 * (2 * u + h) + n] = n < tn ? A->qscale[(t + n) * A->ldqs + 2 * u + h] : 0.0f;
-    }
-}
-
 /* Blocks b and b+1 (when two) of weight rows w (stride rb, KB bytes per
  * block) times the B tiles at Bg, into C tiles CA and CB, stored at c and
  * c + 256. Tile numbers must be constants: set 0 is C0/C1, set 1 C2/C3
@@ -350,7 +306,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
     int8_t *tail = (int8_t *)(mem + b_bytes + s_bytes + 4096);
     for (size_t g = 0; g < groups; g++) {
         const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
-        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, S + g * units * 32);
+        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, S + g * units * 32, 0);
     }
     amx_configure_q8(32);
     /* 64 tokens at a time: their B tiles (64 x cols bytes) stay in L1 or
@@ -421,44 +377,6 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
  * rows of the same packed activations), and the fold computes c_b =
  * wscale_b * ascale_b (one rounding, lane = token) before its fma. */
 
-/* Rows r..r+rn-1 (rn <= 16) as signed bytes at wb (row stride kp = 64 *
- * units; rows rn..15 zero) and their block scales at cw (row stride ldc). */
-ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t rn, size_t units,
-                                int8_t *wb, float *cw, size_t ldc) {
-    const size_t kp = 64 * units, so = W->scale_offset;
-    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
-    for (size_t m = 0; m < 16; m++) {
-        int8_t *o = wb + m * kp;
-        if (m >= rn) {
-            memset(o, 0, kp);
-            memset(cw + m * ldc, 0, ldc * sizeof(float));
-            continue;
-        }
-        const uint8_t *row = (const uint8_t *)W->codes + (r + m) * W->row_bytes;
-        for (size_t u = 0; u < units; u++) {
-            __m512i v;
-            if (S == CISM_INT4) {
-                v = _mm512_sub_epi8(nib_unit_u8(CISM_INT4, row, u), _mm512_set1_epi8(8));
-            } else {
-                /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
-                const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi8(15));
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
-                /* [0-15 | 32-47] and [16-31 | 48-63] -> element order */
-                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)),
-                                                     _mm256_unpackhi_epi8(lo, hi), 1);
-                const __m512i nib = _mm512_shuffle_i64x2(z, z, 0xd8);
-                v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2)), nib);
-            }
-            _mm512_store_si512((void *)(o + 64 * u), v);
-        }
-        /* blocks past the row are never issued; their scales stay 0 */
-        for (size_t b = 0; b < ldc; b++)
-            cw[m * ldc + b] = b >= blocks ? 0.0f
-                              : S == CISM_INT4 ? cism_int4_scale(row, so, b) : e4m3_half[row[so + b]];
-    }
-}
-
 /* The chain step of blocks b (and b+1), weight scales from cw (row stride
  * ldc): acc[m] = fma((float)C[m][:], ascale[:] * cw[m][b], acc[m]). */
 ALWAYS_INLINE void nib_fold(const int S, const int32_t *c, const float *Sg, const float *cw, size_t ldc,
@@ -500,7 +418,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
     float *cw = (float *)(mem + b_bytes + s_bytes + 4096 + w_bytes);
     for (size_t g = 0; g < groups; g++) {
         const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
-        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, Sc + g * units * 32);
+        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, Sc + g * units * 32, 0);
     }
     amx_configure_q8(KB);
     const size_t steps = cism_div_up(blocks, 2);
