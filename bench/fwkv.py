@@ -1,7 +1,8 @@
 """FWKV decode and prefill tokens/s per precision and thread count, with
 weight bytes, the bandwidth at which the model's threads read its own weights
-(Model.scan) in the same run and the roofline ratio (decode tok/s / (scan
-bandwidth / bytes per token)); the machine's 2 GiB read is printed alongside.
+(Model.scan, or a same-sized read where that is faster) in the same run and
+the roofline ratio (decode tok/s / (that bandwidth / bytes per token)); the
+machine's 2 GiB read is printed alongside.
 
     python bench/fwkv.py [--model DIR] [--json]
 

