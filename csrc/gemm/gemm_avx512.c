@@ -637,12 +637,11 @@ ALWAYS_INLINE void block_sums4x4(const __m512i v[8], __m512i *f01, __m512i *f23)
 
 /* 16 E4M3 scale bytes as e4m3 * 0.5, exactly: the byte's bits moved into a
  * binary16 (exponent bias 15 instead of 7, subnormals included) is the
- * value * 2^-8, which vcvtph2ps widens exactly; * 2^7 is exact. (The NaN
- * codes, never packed, read as 240.) */
+ * value * 2^-8, which vcvtph2ps widens exactly; * 2^7 is exact. Scale
+ * bytes are never negative (formats.h), so bit 7 is not looked at: a byte
+ * past the row (a block that is never folded in) may read as anything. */
 ALWAYS_INLINE __m512 e4m3_half16(__m128i bytes) {
-    const __m256i w = _mm256_cvtepu8_epi16(bytes);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 7);
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(128.0f));
 }
 
@@ -704,18 +703,36 @@ ALWAYS_INLINE void row_scales8(const int S, const uint8_t *const rows[8], size_t
         for (int k = 0; k < 8; k++) cw[k] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[k]));
         return;
     }
+    /* fp4: each row's 32 scale bytes are 8 dwords, one per unit; the 8 x 8
+     * dword transpose gives unit k's 4 bytes of every row, a byte shuffle
+     * orders them [block 4u of rows 0-7 | 4u + 1 | 4u + 2 | 4u + 3] */
     const size_t b0 = 4 * u0, nb = blocks - b0 < 32 ? blocks - b0 : 32;
-    const __mmask32 m = nb >= 32 ? 0xffffffffu : (__mmask32)((1u << nb) - 1);
-    __m512d hi[8];
-    for (int i = 0; i < 8; i++) {
-        const __m256i x = _mm256_maskz_loadu_epi8(m, rows[i] + so + b0);
-        in[i] = _mm512_castps_pd(e4m3_half16(_mm256_castsi256_si128(x)));
-        hi[i] = _mm512_castps_pd(e4m3_half16(_mm256_extracti128_si256(x, 1)));
+    const __mmask8 m = (__mmask8)((1u << cism_div_up(nb, 4)) - 1);
+    __m256 d[8], e[8];
+    for (int i = 0; i < 8; i++)
+        d[i] = _mm256_castsi256_ps(_mm256_maskz_loadu_epi32(m, rows[i] + so + b0));
+    /* 8 x 8 transpose of dwords (as floats) */
+    for (int i = 0; i < 8; i += 2) {
+        e[i] = _mm256_unpacklo_ps(d[i], d[i + 1]);
+        e[i + 1] = _mm256_unpackhi_ps(d[i], d[i + 1]);
     }
-    transpose8_pd(in, out);
-    for (int q = 0; q < 8; q++) cw[q] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[q]));
-    transpose8_pd(hi, out);
-    for (int q = 0; q < 8; q++) cw[8 + q] = _mm512_permutexvar_ps(even_odd, _mm512_castpd_ps(out[q]));
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            d[i + 2 * h] = _mm256_shuffle_ps(e[i + h], e[i + 2 + h], 0x44);
+            d[i + 2 * h + 1] = _mm256_shuffle_ps(e[i + h], e[i + 2 + h], 0xee);
+        }
+    /* d[0]: dwords 0, 4 of rows 0-3 (lanes), d[1]: 1, 5, d[2]: 2, 6, d[3]: 3, 7; d[4..7] rows 4-7 */
+    const __m256i order = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int k = 0; k < 8; k++) {
+        const __m256 lo = d[k % 4], hi = d[4 + k % 4]; /* rows 0-3 and 4-7 */
+        const __m256 t = k < 4 ? _mm256_permute2f128_ps(lo, hi, 0x20) : _mm256_permute2f128_ps(lo, hi, 0x31);
+        /* t: unit k's dword of rows 0-7; bytes to [block 0 of rows 0-7 | 1 | 2 | 3] */
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(_mm256_castps_si256(t), order), lanes);
+        cw[2 * k] = e4m3_half16(_mm256_castsi256_si128(b));
+        cw[2 * k + 1] = e4m3_half16(_mm256_extracti128_si256(b, 1));
+    }
 }
 
 /* An R x TT tile of int4 or fp4 x q8 dots (R * TT <= 16): rows r, r + rs,
