@@ -28,7 +28,6 @@ cdef extern from "pack.h" nogil:
     void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, size_t r1,
                         void *codes, float *row_scales)
     void cism_unpack_row(const cism_mat *W, size_t r, float *out)
-    void *cism_alloc_weights(size_t nbytes)
 
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
@@ -45,9 +44,12 @@ DEF PARALLEL_MIN_WORK = 65536
 
 
 cdef void *alloc_zeroed(size_t nbytes) noexcept nogil:
-    """64-byte aligned, with CISM_SLACK zero bytes after the payload (huge
-    pages from 2 MiB on: cism_alloc_weights in csrc/pack.c)."""
-    return cism_alloc_weights(nbytes)
+    """64-byte aligned, with CISM_SLACK zero bytes after the payload."""
+    cdef size_t total = cism_div_up(nbytes + CISM_SLACK, 64) * 64
+    cdef void *p = aligned_alloc(64, total)
+    if p != NULL:
+        memset(p, 0, total)
+    return p
 
 
 cdef void scratch_free(Scratch *s) noexcept nogil:

@@ -1,49 +1,10 @@
 /* Packing float32 rows into the storage formats of formats.h.
  * Portable C (no ISA flags): packing happens once at load. The Cython caller
  * fans row ranges out over threads; each row is packed independently. */
-/* posix_memalign and madvise(MADV_HUGEPAGE) beyond strict C11 */
-#define _DEFAULT_SOURCE
 #include "pack.h"
 
 #include <float.h>
 #include <math.h>
-#include <stdlib.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-#define HUGE_PAGE ((size_t)2 << 20)
-
-/* Huge pages unless CISM_HUGE_PAGES=0 (read once; races only repeat it). */
-static int huge_pages_wanted(void) {
-    static int wanted = -1;
-    if (wanted < 0) {
-        const char *e = getenv("CISM_HUGE_PAGES");
-        wanted = !(e && e[0] == '0' && e[1] == 0);
-    }
-    return wanted;
-}
-
-void *cism_alloc_weights(size_t nbytes) {
-    size_t total = cism_div_up(nbytes + CISM_SLACK, 64) * 64;
-    const size_t up = cism_div_up(total, HUGE_PAGE) * HUGE_PAGE;
-    void *p = NULL;
-    /* 2 MiB and more, or little short of a whole number of huge pages
-     * (then rounded up: at most 1/8 more memory) */
-    const int round = up - total <= total / 8;
-    if (!huge_pages_wanted() || (total < HUGE_PAGE && !round)) {
-        p = aligned_alloc(64, total);
-    } else {
-        if (round) total = up;
-        if (posix_memalign(&p, HUGE_PAGE, total) != 0) p = NULL;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        /* advice only: where THP is off or memory fragmented, 4 KiB pages */
-        if (p) (void)madvise(p, cism_div_up(total, 4096) * 4096, MADV_HUGEPAGE);
-#endif
-    }
-    if (p) memset(p, 0, total);
-    return p;
-}
 
 static void pack_fp16(const float *v, size_t cols, uint16_t *out) {
     for (size_t j = 0; j < cols; j++) out[j] = cism_f32_to_fp16(v[j]);

@@ -570,23 +570,3 @@ def test_bad_products_and_settings():
         with pytest.raises(ValueError, match="threads"):
             m.gemv(np.ones(4, np.float32), threads=bad)
     assert m.gemm(np.ones((0, 4), np.float32)).shape == (0, 3)
-
-
-def test_large_matrices_ask_for_huge_pages_and_compute_the_same():
-    """Packed weights from 2 MiB on are 2 MiB aligned (and advised as
-    transparent huge pages, csrc/pack.c); CISM_HUGE_PAGES=0 keeps small
-    pages. The pages never change a result."""
-    code = ("import numpy as np; from cism.matrix import Matrix\n"
-            "W = np.random.default_rng(0).standard_normal((1024, 2048)).astype(np.float32)\n"
-            "x = np.random.default_rng(1).standard_normal(2048).astype(np.float32)\n"
-            "m = Matrix(W, 'int8'); s = Matrix(W[:8], 'int8')\n"
-            "print(m._row_view().ctypes.data % (2 << 20), s._row_view().ctypes.data % 64,"
-            " m.gemv(x).view(np.uint32).tobytes().hex())")
-    out = {}
-    for hp in ("1", "0"):
-        env = dict(os.environ, CISM_HUGE_PAGES=hp)
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
-        out[hp] = p.stdout.split()
-    assert out["1"][0] == "0" and out["1"][1] == "0" and out["0"][1] == "0"
-    assert out["1"][2] == out["0"][2]
