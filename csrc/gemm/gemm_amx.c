@@ -350,14 +350,9 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
                 if (k + 2 < steps) q8_issue0(32, w, rb, Bg, b2, b2 + 1 < blocks, c);
                 if (k + 1 < steps) q8_fold(c + 512, Sg, b1, b1 + 1 < blocks, acc);
             }
-            /* times the row scale, then transposed: lane m of out[n] is row m for token n */
-            __m512i in[16], out[16];
-            for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(_mm512_mul_ps(acc[m], sc[m]));
-            transpose16(in, out);
-            const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
-            const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
-            for (size_t n = 0; n < tn; n++)
-                _mm512_mask_storeu_ps(Y + (16 * g + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+            /* times the row scale, stored as token rows */
+            for (int m = 0; m < 16; m++) acc[m] = _mm512_mul_ps(acc[m], sc[m]);
+            store_rows16(acc, rn, T - 16 * g < 16 ? T - 16 * g : 16, Y, ldy, 16 * g, r);
         }
     }
     _tile_release();
@@ -449,14 +444,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
                 if (k + 2 < steps) q8_issue0(KB, wb, kp, Bg, b2, b2 + 1 < blocks, c);
                 if (k + 1 < steps) nib_fold(S, c + 512, Sg, cw, ldc, b1, b1 + 1 < blocks, acc);
             }
-            /* transposed: lane m of out[n] is row m for token n */
-            __m512i in[16], out[16];
-            for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
-            transpose16(in, out);
-            const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
-            const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
-            for (size_t n = 0; n < tn; n++)
-                _mm512_mask_storeu_ps(Y + (16 * g + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+            store_rows16(acc, rn, T - 16 * g < 16 ? T - 16 * g : 16, Y, ldy, 16 * g, r);
         }
     }
     _tile_release();

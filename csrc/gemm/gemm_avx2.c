@@ -285,8 +285,9 @@ ALWAYS_INLINE __m256i dot4_i8(__m256i a_abs, __m256i a, __m256i w) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* Lane p of the result = the sum of v[p]'s 8 lanes (integers: any order). */
-ALWAYS_INLINE __m256i block_sums8(const __m256i v[8]) {
+/* Lane p of *e (*o) = the sum of v[p]'s lanes 0-3 (4-7) (integers: any
+ * order); for fp4 those are blocks 2u and 2u + 1 of dot p. */
+ALWAYS_INLINE void block_sums4x2(const __m256i v[8], __m256i *e, __m256i *o) {
     __m256i a[4], b[2];
     for (int i = 0; i < 4; i++)
         a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
@@ -295,8 +296,15 @@ ALWAYS_INLINE __m256i block_sums8(const __m256i v[8]) {
     for (int i = 0; i < 2; i++)
         b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
                                 _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20),
-                            _mm256_permute2x128_si256(b[0], b[1], 0x31));
+    *e = _mm256_permute2x128_si256(b[0], b[1], 0x20);
+    *o = _mm256_permute2x128_si256(b[0], b[1], 0x31);
+}
+
+/* Lane p of the result = the sum of v[p]'s 8 lanes. */
+ALWAYS_INLINE __m256i block_sums8(const __m256i v[8]) {
+    __m256i e, o;
+    block_sums4x2(v, &e, &o);
+    return _mm256_add_epi32(e, o);
 }
 
 /* An R x TT tile of int8 x q8 dots (R * TT <= 8), one accumulator lane per
@@ -346,20 +354,6 @@ ALWAYS_INLINE __m256i nib_unit_i8(const int S, const uint8_t *codes, size_t u) {
     __m128i v0, v1;
     fp4_values(codes + 16 * u, &v0, &v1);
     return _mm256_set_m128i(v1, v0);
-}
-
-/* fp4: lane p of *e (*o) = the sum of v[p]'s lanes 0-3 (4-7), i.e. block 2u
- * (2u + 1) of dot p (integers: any order). */
-ALWAYS_INLINE void block_sums4x2(const __m256i v[8], __m256i *e, __m256i *o) {
-    __m256i a[4], b[2];
-    for (int i = 0; i < 4; i++)
-        a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                                _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 2; i++)
-        b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
-                                _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-    *e = _mm256_permute2x128_si256(b[0], b[1], 0x20);
-    *o = _mm256_permute2x128_si256(b[0], b[1], 0x31);
 }
 
 /* Lane p = v[p / TT] (a value of dot p's row), 0 past P = R * TT. */

@@ -477,8 +477,8 @@ ALWAYS_INLINE __m512i dot4_u8s8(__m512i a_abs, __m512i w_signed) {
  * sums of one unit; the result holds in lane p the sum of v[p]'s lanes 0-7
  * (block 2u) and in lane 8 + p that of lanes 8-15 (block 2u+1). Integer
  * additions, so the order is free. */
-ALWAYS_INLINE __m512i block_sums8(const __m512i v[8]) {
-    __m512i a[4], b[2];
+ALWAYS_INLINE void lane_sums4(const __m512i v[8], __m512i b[2]) {
+    __m512i a[4];
     /* a[i], 128-bit lane L: [v2i, v2i+1, v2i, v2i+1] partial sums of lane L */
     for (int i = 0; i < 4; i++)
         a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
@@ -487,6 +487,11 @@ ALWAYS_INLINE __m512i block_sums8(const __m512i v[8]) {
     for (int i = 0; i < 2; i++)
         b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
                                 _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+}
+
+ALWAYS_INLINE __m512i block_sums8(const __m512i v[8]) {
+    __m512i b[2];
+    lane_sums4(v, b);
     /* [block 2u of v0-3, block 2u+1 of v0-3, block 2u of v4-7, block 2u+1 of v4-7] */
     const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88),
                                        _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
@@ -622,14 +627,8 @@ ALWAYS_INLINE __m512i dot4_acc(const int VNNI, __m512i acc, __m512i w, __m512i a
  * unit, block k in 128-bit lane k; f01 gets [block 0 of dots 0-7 | block 1],
  * f23 [block 2 | block 3] (integer additions: any order). */
 ALWAYS_INLINE void block_sums4x4(const __m512i v[8], __m512i *f01, __m512i *f23) {
-    __m512i a[4], b[2];
-    for (int i = 0; i < 4; i++)
-        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    /* b[i], 128-bit lane k: block k of dots 4i .. 4i + 3 */
-    for (int i = 0; i < 2; i++)
-        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
-                                _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    __m512i b[2]; /* b[i], 128-bit lane k: block k of dots 4i .. 4i + 3 */
+    lane_sums4(v, b);
     const __m512i s01 = _mm512_shuffle_i32x4(b[0], b[1], 0x44), s23 = _mm512_shuffle_i32x4(b[0], b[1], 0xee);
     *f01 = _mm512_shuffle_i32x4(s01, s01, 0xd8);
     *f23 = _mm512_shuffle_i32x4(s23, s23, 0xd8);
@@ -906,6 +905,18 @@ ALWAYS_INLINE void transpose16(const __m512i in[16], __m512i out[16]) {
 }
 
 
+/* acc[m] lane n = the result of row r + m, token t0 + n: stored as token
+ * rows (one masked 16-row store per token, rows r..r+rn-1, tokens
+ * t0..t0+tn-1), through a 16 x 16 transpose. */
+ALWAYS_INLINE void store_rows16(const __m512 acc[16], size_t rn, size_t tn, float *Y, size_t ldy, size_t t0,
+                                size_t r) {
+    __m512i in[16], out[16];
+    for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
+    transpose16(in, out); /* out[n]: token n's 16 rows */
+    const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+    for (size_t n = 0; n < tn; n++) _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+}
+
 /* Tokens t..t+tn-1 (tn <= 16, missing ones zero) transposed: unit u at
  * B + 256 u (int32s), its row k holding dword k of the unit for each token
  * (the layout of an AMX B tile; a 32-element block is 8 such rows, a
@@ -1108,15 +1119,11 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
                                         ? _mm512_mul_ps(acc[i][q], _mm512_set1_ps(W->scales[r + i0 + i]))
                                         : acc[i][q]);
             }
-            const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
             for (size_t q = 0; q < G; q++) {
-                __m512i in[16], out[16];
-                for (size_t i = 0; i < 16; i++)
-                    in[i] = i < rn ? _mm512_load_si512((const void *)buf[q][i]) : _mm512_setzero_si512();
-                transpose16(in, out); /* out[n]: token n's 16 rows */
-                const size_t t0 = 16 * (g + q), tn = T - t0 < 16 ? T - t0 : 16;
-                for (size_t n = 0; n < tn; n++)
-                    _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+                __m512 rowsv[16];
+                for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
+                const size_t t0 = 16 * (g + q);
+                store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
             }
         }
     }
