@@ -83,6 +83,51 @@ def test_token_chunks_and_row_tiles(storage):
         check_matrix(W, X, storage)
 
 
+@pytest.mark.parametrize("storage", ["int4", "fp4"])
+def test_4bit_decode_rows_over_many_scale_periods(storage):
+    # Decode of 4-bit x q8 runs 8 rows at a time (spread over the caller's
+    # rows), loading their scales for 8 steps of 64 elements at once: rows
+    # of 16+ give row strides above 1, and columns past 512 give several
+    # scale periods with a partial last one (and fp4 blocks past the row).
+    r = np.random.default_rng(7)
+    for rows, cols in [(16, 513), (17, 1000), (24, 1040), (40, 2065), (64, 4096)]:
+        W = r.standard_normal((rows, cols)).astype(np.float32)
+        W[1] *= np.float32(1e-30)
+        W[2, : cols // 3] = 0
+        x = r.standard_normal((1, cols)).astype(np.float32)
+        m = Matrix(W, storage)
+        m.act_precision = "int8"
+        want, got = both(lambda: [m.gemm(x, threads=1), m.gemm(x, threads=2)])
+        for w, g in zip(want, got):
+            assert np.array_equal(bits(g), bits(w)), (storage, rows, cols)
+
+
+@pytest.mark.parametrize("storage", ["int4", "fp4"])
+def test_4bit_tokens_in_lanes_equal_decode(storage):
+    # From 8 tokens on, 4-bit x q8 runs with tokens in lanes: groups of 8
+    # (a partial last one), passes of 64 tokens, tiles of 1-6 rows. Each
+    # output must be the reference's and decode's, bit for bit.
+    r = np.random.default_rng(8)
+    for rows, cols, T in [(13, 1040, 8), (7, 2065, 17), (20, 100, 130), (6, 33, 64), (1, 5000, 9), (50, 520, 71)]:
+        W = r.standard_normal((rows, cols)).astype(np.float32)
+        W[0] *= np.float32(1e-30)
+        X = r.standard_normal((T, cols)).astype(np.float32)
+        X[3] = 0
+        X[4] *= np.float32(1e-38)
+        m = Matrix(W, storage)
+        m.act_precision = "int8"
+        want, got = both(lambda: [m.gemm(X, threads=1), m.gemm(X, threads=2)])
+        for w, g in zip(want, got):
+            assert np.array_equal(bits(g), bits(w)), (storage, rows, cols, T)
+        before = _kernels.isa()
+        _kernels.set_isa("avx2")
+        try:
+            solo = np.vstack([m.gemm(X[t:t + 1], threads=1) for t in range(T)])
+        finally:
+            _kernels.set_isa(before)
+        assert np.array_equal(bits(solo), bits(got[0])), (storage, rows, cols, T)
+
+
 @pytest.mark.parametrize("storage", STORAGES)
 def test_threads_split_rows_identically(storage):
     r = np.random.default_rng(3)
