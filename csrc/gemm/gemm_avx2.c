@@ -725,7 +725,7 @@ static void pack_q8_group8(const int S, const cism_act *A, size_t t, size_t tn, 
         for (int k = 0; k < 8; k++) {
             const __m256i a = _mm256_castps_si256(out[k]);
             _mm256_store_si256((__m256i *)(B + 64 * b + 8 * k), a);
-            sum16[k / 4] = _mm256_add_epi16(sum16[k / 4], _mm256_maddubs_epi16(bias, a)); /* |.| <= 8 * 24 * 127 */
+            sum16[k / 4] = _mm256_add_epi16(sum16[k / 4], _mm256_maddubs_epi16(bias, a)); /* 8 products <= 12 * 127 */
         }
         const __m256i h0 = _mm256_madd_epi16(sum16[0], ones), h1 = _mm256_madd_epi16(sum16[1], ones);
         if (S == CISM_INT4) {
