@@ -174,6 +174,13 @@ static inline uint8_t cism_f32_to_e4m3(float x) {
 /* 2 x E2M1 magnitude for codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 doubled, so
  * every element is a small integer; kernels fold the 1/2 into the scale. */
 static const int8_t cism_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* The same values + 12 (0..24): unsigned bytes for maddubs / vpdpbusd. The
+ * integer kernels use 4-bit weights as such unsigned bytes (int4: the code
+ * itself, the value + 8) and take CISM_NIB_BIAS(storage) times the
+ * activations' sum off afterwards. */
+#define CISM_NIB_BIAS(storage) ((storage) == CISM_INT4 ? 8 : 12)
+static const uint8_t cism_e2m1_x2_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+_Static_assert(sizeof cism_e2m1_x2_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
 
 /* Row r of W as floats, exactly as the kernels see the weights; int8 rows
  * are multiplied by their row scale only when with_int8_scale is set (the

@@ -293,15 +293,10 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
             for (; r < r1; r += DEQ_ROWS) {
                 const size_t rn = r1 - r < DEQ_ROWS ? r1 - r : DEQ_ROWS;
                 const cism_mat F = {CISM_FP32, rn, W->cols, buf, ld * sizeof(float), 0, NULL};
-                if (rn == DEQ_ROWS) {
-                    dequant_rows(S, DEQ_ROWS, W, r, buf, ld);
-                    rows_f32(CISM_FP32, DEQ_ROWS, 2, &F, 0, X, A->ldx, tn, Yc + r, ldy);
-                } else {
-                    for (size_t i = 0; i < rn; i++) {
-                        dequant_rows(S, 1, W, r + i, buf + i * ld, ld);
-                        rows_f32(CISM_FP32, 1, 2, &F, i, X, A->ldx, tn, Yc + r, ldy);
-                    }
-                }
+                dequant_rows(S, (int)rn, W, r, buf, ld);
+                if (rn == DEQ_ROWS) rows_f32(CISM_FP32, DEQ_ROWS, 2, &F, 0, X, A->ldx, tn, Yc + r, ldy);
+                else
+                    for (size_t i = 0; i < rn; i++) rows_f32(CISM_FP32, 1, 2, &F, i, X, A->ldx, tn, Yc + r, ldy);
             }
             continue;
         }
@@ -485,8 +480,6 @@ ALWAYS_INLINE void tile_nq8(const int S, const int R, const int TT, const cism_m
 
 #define STEP_PERIOD 8 /* steps per load of the weight scales */
 
-static const int8_t fp4_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-_Static_assert(sizeof fp4_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
 
 /* out[k] lane i = in[i] lane k (8 x 8 floats). */
 ALWAYS_INLINE void transpose8(const __m256 in[8], __m256 out[8]) {
@@ -588,10 +581,10 @@ ALWAYS_INLINE void gemv_nq8_rows8(const int S, const cism_mat *W, size_t r, size
             _mm_prefetch((const char *)(rows[i] + so + scale_bytes * s), _MM_HINT_T0);
     }
     const __m256i low4 = _mm256_set1_epi8(15);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fp4_biased));
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased));
     const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i bias = _mm256_set1_epi8(S == CISM_INT4 ? 8 : 12);
+    const __m256i bias = _mm256_set1_epi8(CISM_NIB_BIAS(S));
     __m256 cw[16];
     __m256 acc = _mm256_setzero_ps();
     for (size_t s = 0; s < steps; s++) {
@@ -714,7 +707,7 @@ ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size
  * bias * (the sum of the activations of weight block wb) at Bs + 8 wb. */
 static void pack_q8_group8(const int S, const cism_act *A, size_t t, size_t tn, size_t ablocks, int32_t *B,
                            float *Sa, int32_t *Bs) {
-    const __m256i bias = _mm256_set1_epi8(S == CISM_INT4 ? 8 : 12), ones = _mm256_set1_epi16(1);
+    const __m256i bias = _mm256_set1_epi8(CISM_NIB_BIAS(S)), ones = _mm256_set1_epi16(1);
     for (size_t b = 0; b < ablocks; b++) {
         __m256 in[8], out[8];
         for (size_t n = 0; n < 8; n++)
@@ -746,7 +739,7 @@ static void pack_q8_group8(const int S, const cism_act *A, size_t t, size_t tn, 
 ALWAYS_INLINE void tq_unpack(const int S, const cism_mat *W, size_t r, size_t rn, size_t kp, uint8_t *wb,
                              float *cw, size_t ldc) {
     const __m128i low4 = _mm_set1_epi8(15);
-    const __m128i lut = _mm_loadu_si128((const __m128i *)fp4_biased);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased);
     for (size_t m = 0; m < rn; m++) {
         const uint8_t *row = (const uint8_t *)W->codes + (r + m) * W->row_bytes;
         uint8_t *o = wb + m * kp;
@@ -767,11 +760,11 @@ ALWAYS_INLINE void tq_unpack(const int S, const cism_mat *W, size_t r, size_t rn
     }
 }
 
-/* R rows (unpacked at wb, row stride kp; scales cw, row stride ldc) x one
- * group of 8 tokens (B, Sa, Bs as pack_q8_group8 leaves them): acc[i] lane
- * n = the chain of row i, token n, over the row's blocks. */
-ALWAYS_INLINE void tq_tile(const int S, const int R, const uint8_t *wb, size_t kp, const float *cw, size_t ldc,
-                           const int32_t *B, const float *Sa, const int32_t *Bs, size_t blocks, __m256 acc[TQ_ROWS]) {
+/* R rows (unpacked at wb, row stride kp; scales cw, row stride blocks) x
+ * one group of 8 tokens (B, Sa, Bs as pack_q8_group8 leaves them): acc[i]
+ * lane n = the chain of row i, token n, over the row's blocks. */
+ALWAYS_INLINE void tq_tile(const int S, const int R, const uint8_t *wb, size_t kp, const float *cw, size_t blocks,
+                           const int32_t *B, const float *Sa, const int32_t *Bs, __m256 acc[TQ_ROWS]) {
     const int KD = S == CISM_FP4 ? 4 : 8; /* dwords per weight block */
     const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
@@ -795,7 +788,7 @@ ALWAYS_INLINE void tq_tile(const int S, const int R, const uint8_t *wb, size_t k
         const __m256 sa = _mm256_load_ps(Sa + 8 * (S == CISM_FP4 ? b / 2 : b));
         for (int i = 0; i < R; i++) {
             const __m256i sb = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), bs);
-            const __m256 c = _mm256_mul_ps(_mm256_set1_ps(cw[i * ldc + b]), sa); /* wscale_b * ascale_b */
+            const __m256 c = _mm256_mul_ps(_mm256_set1_ps(cw[i * blocks + b]), sa); /* wscale_b * ascale_b */
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), c, acc[i]);
         }
     }
@@ -834,7 +827,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
                 const int32_t *Bg = B + g * ablocks * 64, *Bsg = Bs + g * ablocks * 16;
                 const float *Sag = Sa + g * ablocks * 8;
                 __m256 acc[8];
-#define TQ_CASE(RR) tq_tile(S, RR, wb, kp, cw, blocks, Bg, Sag, Bsg, blocks, acc)
+#define TQ_CASE(RR) tq_tile(S, RR, wb, kp, cw, blocks, Bg, Sag, Bsg, acc)
                 switch (rn) {
                 case 1: TQ_CASE(1); break;
                 case 2: TQ_CASE(2); break;

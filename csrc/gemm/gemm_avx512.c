@@ -582,11 +582,6 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
  * a block is free. The chain then runs over the blocks with c_b =
  * wscale_b * ascale_b (one rounding), dots in lanes as for int8. */
 
-static const int8_t fp4_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-_Static_assert(sizeof fp4_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
-
-#define NIB_BIAS(S) ((S) == CISM_INT4 ? 8 : 12)
-
 /* Unit u of a 4-bit row as unsigned bytes (see above). */
 ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
     const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
@@ -601,7 +596,7 @@ ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
      * c's 8 bytes go to qword 2c shifted by 0 and qword 2c + 1 shifted by 4 */
     const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x);
     const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4)), low4);
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fp4_biased)), nib);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased)), nib);
 }
 
 /* Activation unit u of token row a in the weights' byte order. */
@@ -752,7 +747,7 @@ ALWAYS_INLINE void tile_nq8(const int S, const int VNNI, const int R, const int 
         for (int i = 0; i < 8; i++)
             for (size_t u = 0; u < 16; u += 8)
                 _mm_prefetch((const char *)(rows[i] + so + (S == CISM_INT4 ? 8 : 4) * u), _MM_HINT_T0);
-    const __m512i bias = _mm512_set1_epi8(NIB_BIAS(S));
+    const __m512i bias = _mm512_set1_epi8(CISM_NIB_BIAS(S));
     for (size_t u = 0; u < units; u++) {
         __m512i a[4], start[4], v[16];
         for (int j = 0; j < TT; j++) {
