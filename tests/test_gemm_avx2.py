@@ -102,13 +102,16 @@ def test_4bit_decode_rows_over_many_scale_periods(storage):
             assert np.array_equal(bits(g), bits(w)), (storage, rows, cols)
 
 
-@pytest.mark.parametrize("storage", ["int4", "fp4"])
-def test_4bit_tokens_in_lanes_equal_decode(storage):
-    # From 8 tokens on, 4-bit x q8 runs with tokens in lanes: groups of 8
-    # (a partial last one), passes of 64 tokens, tiles of 1-6 rows. Each
-    # output must be the reference's and decode's, bit for bit.
+@pytest.mark.parametrize("storage", ["int8", "int4", "fp4"])
+def test_tokens_in_lanes_equal_decode(storage):
+    # From 8 tokens on, int8, int4 and fp4 x q8 run with tokens in lanes:
+    # groups of 8 (a partial last one), passes of several groups (int8: as
+    # many as fit 192 KiB, so 1 at 12000 columns), tiles of 1-6 rows, rows
+    # whose length is not a multiple of 16 or 32. Each output must be the
+    # reference's and decode's, bit for bit.
     r = np.random.default_rng(8)
-    for rows, cols, T in [(13, 1040, 8), (7, 2065, 17), (20, 100, 130), (6, 33, 64), (1, 5000, 9), (50, 520, 71)]:
+    for rows, cols, T in [(13, 1040, 8), (7, 2065, 17), (20, 100, 130), (6, 33, 64), (1, 5000, 9), (50, 520, 71),
+                          (5, 12000, 24), (9, 7, 10)]:
         W = r.standard_normal((rows, cols)).astype(np.float32)
         W[0] *= np.float32(1e-30)
         X = r.standard_normal((T, cols)).astype(np.float32)

@@ -684,8 +684,9 @@ ALWAYS_INLINE void gemm_q_tpl(const int kind, const cism_mat *W, size_t r0, size
 /* ---- several tokens x int4 / fp4 weights x q8: tokens in lanes ----
  *
  * From TQ_MIN_TOKENS tokens on, the q8 activations of each group of 8
- * tokens are transposed once per call, so that one ymm holds dword k of an
- * activation block for the 8 tokens, and each tile of up to TQ_ROWS rows is
+ * tokens are transposed once, at the start of the pass over the rows that
+ * uses them, so that one ymm holds dword k of an activation block for the 8
+ * tokens, and each tile of up to TQ_ROWS rows is
  * unpacked once per pass to unsigned bytes in element order (int4: the
  * code, fp4: 2 * E2M1 + 12, as in the decode kernel above). Each weight
  * dword is broadcast to maddubs against the token vector, and a block's
@@ -798,9 +799,10 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
                                 size_t T, float *Y, size_t ldy) {
     const size_t ablocks = cism_div_up(W->cols, 32), kp = 32 * ablocks;
     const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
-    const size_t groups = cism_div_up(T, 8);
-    const size_t b_bytes = groups * ablocks * 256, sa_bytes = groups * ablocks * 32;
-    const size_t bs_bytes = groups * ablocks * 64, w_bytes = TQ_ROWS * kp;
+    const size_t groups = cism_div_up(T, 8), pass = groups < TQ_PASS ? groups : TQ_PASS;
+    /* one pass's packed activations, one tile's unpacked rows */
+    const size_t b_bytes = pass * ablocks * 256, sa_bytes = pass * ablocks * 32;
+    const size_t bs_bytes = pass * ablocks * 64, w_bytes = TQ_ROWS * kp;
     const size_t c_bytes = cism_div_up(TQ_ROWS * blocks * sizeof(float), 32) * 32;
     if (r1 <= r0) return;
     uint8_t *mem = aligned_alloc(32, b_bytes + sa_bytes + bs_bytes + w_bytes + c_bytes);
@@ -813,19 +815,19 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     int32_t *Bs = (int32_t *)(mem + b_bytes + sa_bytes);
     uint8_t *wb = mem + b_bytes + sa_bytes + bs_bytes;
     float *cw = (float *)(mem + b_bytes + sa_bytes + bs_bytes + w_bytes);
-    for (size_t g = 0; g < groups; g++) {
-        const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8;
-        pack_q8_group8(S, A, 8 * g, tn, ablocks, B + g * ablocks * 64, Sa + g * ablocks * 8,
-                       Bs + g * ablocks * 16);
-    }
-    for (size_t g0 = 0; g0 < groups; g0 += TQ_PASS) {
-        const size_t g1 = groups - g0 < TQ_PASS ? groups : g0 + TQ_PASS;
+    for (size_t g0 = 0; g0 < groups; g0 += pass) {
+        const size_t g1 = groups - g0 < pass ? groups : g0 + pass;
+        for (size_t g = g0; g < g1; g++) {
+            const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8, j = g - g0;
+            pack_q8_group8(S, A, 8 * g, tn, ablocks, B + j * ablocks * 64, Sa + j * ablocks * 8,
+                           Bs + j * ablocks * 16);
+        }
         for (size_t r = r0; r < r1; r += TQ_ROWS) {
             const size_t rn = r1 - r < TQ_ROWS ? r1 - r : TQ_ROWS;
             tq_unpack(S, W, r, rn, kp, wb, cw, blocks);
             for (size_t g = g0; g < g1; g++) {
-                const int32_t *Bg = B + g * ablocks * 64, *Bsg = Bs + g * ablocks * 16;
-                const float *Sag = Sa + g * ablocks * 8;
+                const int32_t *Bg = B + (g - g0) * ablocks * 64, *Bsg = Bs + (g - g0) * ablocks * 16;
+                const float *Sag = Sa + (g - g0) * ablocks * 8;
                 __m256 acc[8];
 #define TQ_CASE(RR) tq_tile(S, RR, wb, kp, cw, blocks, Bg, Sag, Bsg, acc)
                 switch (rn) {
@@ -852,9 +854,148 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     free(mem);
 }
 
+/* ---- several tokens x int8 weights x q8: tokens in lanes ----
+ *
+ * int8 codes run up to 127, so no maddubs layout adds two pair sums in
+ * int16, and the dots-in-lanes tile spends a sign, a maddubs, a madd and a
+ * share of the lane reduction per 32 products. From T8_MIN_TOKENS tokens on,
+ * weights and activations are instead widened to int16, once per pass over
+ * the rows for the activations of that pass (groups of 8 tokens, as many as
+ * fit T8_PASS_BYTES) and once per pass and tile for the rows, and one madd of a broadcast
+ * weight dword (2 elements) against a vector of 8 tokens' dwords gives each
+ * lane 2 exact products summed: 16 products per madd and an add, no sign
+ * juggling, no reduction. A block's 16 madds add up in int32 (at most
+ * 32 * 127 * 127) to its exact sum s_b, and the chain folds with lane =
+ * token: acc = fma((float)s_b, ascale_b, acc), then * wscale -- the
+ * reference's bits (kernels.h). Measured on Zen 3 (one core, 64 tokens):
+ * int8 x q8 57-74 -> 87-104 GFLOP/s over the four bench/gemm.py shapes, near
+ * this core's issue limit for a broadcast, a madd and an add (~0.9 cycles). */
+#define T8_MIN_TOKENS 8
+#define T8_ROWS 6              /* rows per tile: 6 int32 sums, 6 chains, a token vector, a weight */
+#define T8_PASS_BYTES (192 << 10) /* widened activations per pass over the rows: within L2 */
+
+/* Tokens t..t+tn-1 (tn <= 8, missing ones zero) widened and transposed:
+ * activation block b at B + 128 b (int32s), its row k holding elements 2k,
+ * 2k + 1 of the block (as two int16) for each token; the 8 tokens' scales of
+ * block b at Sa + 8 b. */
+static void pack_q8_group8_i16(const cism_act *A, size_t t, size_t tn, size_t ablocks, int32_t *B, float *Sa) {
+    for (size_t b = 0; b < ablocks; b++) {
+        __m256 lo[8], hi[8], out[8];
+        for (size_t n = 0; n < 8; n++) {
+            __m256i x = _mm256_setzero_si256();
+            if (n < tn) x = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + n) * A->ldq + 32 * b));
+            lo[n] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(x)));
+            hi[n] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1)));
+        }
+        transpose8(lo, out); /* out[k] = elements 2k, 2k + 1 of each token */
+        for (int k = 0; k < 8; k++) _mm256_store_ps((float *)(B + 128 * b + 8 * k), out[k]);
+        transpose8(hi, out);
+        for (int k = 0; k < 8; k++) _mm256_store_ps((float *)(B + 128 * b + 64 + 8 * k), out[k]);
+        for (size_t n = 0; n < 8; n++) Sa[8 * b + n] = n < tn ? A->qscale[(t + n) * A->ldqs + b] : 0.0f;
+    }
+}
+
+/* Rows r..r+rn-1 widened to int16 at wb (row stride kp = 32 * blocks
+ * elements), zero past each row's cols (no byte past a row is read). */
+static void t8_unpack(const cism_mat *W, size_t r, size_t rn, size_t kp, int16_t *wb) {
+    const size_t cols = W->cols;
+    for (size_t m = 0; m < rn; m++) {
+        const int8_t *row = (const int8_t *)W->codes + (r + m) * W->row_bytes;
+        int16_t *o = wb + m * kp;
+        size_t j = 0;
+        for (; j + 16 <= cols; j += 16)
+            _mm256_store_si256((__m256i *)(o + j), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j))));
+        for (; j < cols; j++) o[j] = row[j];
+        for (; j < kp; j++) o[j] = 0;
+    }
+}
+
+/* R rows (widened at wb, row stride kp) x one group of 8 tokens (B, Sa as
+ * pack_q8_group8_i16 leaves them): acc[i] lane n = the chain of row i,
+ * token n. */
+ALWAYS_INLINE void t8_tile(const int R, const int16_t *wb, size_t kp, size_t blocks, const int32_t *B,
+                           const float *Sa, __m256 acc[T8_ROWS]) {
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < blocks; b++) {
+        __m256i s[T8_ROWS];
+        for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+        for (int k = 0; k < 16; k++) {
+            const size_t d = 16 * b + k; /* dword d of the row: elements 2d, 2d + 1 */
+            const __m256i av = _mm256_load_si256((const __m256i *)(B + 8 * d));
+            for (int i = 0; i < R; i++) {
+                int32_t x;
+                memcpy(&x, wb + i * kp + 2 * d, 4);
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_set1_epi32(x), av));
+            }
+            for (int i = 0; i < R; i++) __asm__("" : "+x"(s[i])); /* one chain per sum (see tq_tile) */
+        }
+        const __m256 sa = _mm256_load_ps(Sa + 8 * b);
+        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), sa, acc[i]);
+    }
+}
+
+static void gemm_t8(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
+                    size_t ldy) {
+    const size_t blocks = cism_div_up(W->cols, 32), kp = 32 * blocks;
+    const size_t groups = cism_div_up(T, 8), group_bytes = blocks * 512;
+    size_t pass = T8_PASS_BYTES / group_bytes < 1 ? 1 : T8_PASS_BYTES / group_bytes;
+    if (pass > groups) pass = groups;
+    /* one pass's widened activations and scales, one tile's widened rows */
+    const size_t b_bytes = pass * group_bytes, sa_bytes = pass * blocks * 32;
+    const size_t w_bytes = T8_ROWS * kp * sizeof(int16_t);
+    if (r1 <= r0) return;
+    uint8_t *mem = aligned_alloc(32, b_bytes + sa_bytes + w_bytes);
+    if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
+        gemm_q_tpl(Q_INT8, W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sa = (float *)(mem + b_bytes);
+    int16_t *wb = (int16_t *)(mem + b_bytes + sa_bytes);
+    for (size_t g0 = 0; g0 < groups; g0 += pass) {
+        const size_t g1 = groups - g0 < pass ? groups : g0 + pass;
+        for (size_t g = g0; g < g1; g++) {
+            const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8;
+            pack_q8_group8_i16(A, 8 * g, tn, blocks, B + (g - g0) * blocks * 128, Sa + (g - g0) * blocks * 8);
+        }
+        for (size_t r = r0; r < r1; r += T8_ROWS) {
+            const size_t rn = r1 - r < T8_ROWS ? r1 - r : T8_ROWS;
+            t8_unpack(W, r, rn, kp, wb);
+            __m256 ws[T8_ROWS];
+            for (size_t i = 0; i < rn; i++) ws[i] = _mm256_set1_ps(W->scales[r + i]);
+            for (size_t g = g0; g < g1; g++) {
+                const int32_t *Bg = B + (g - g0) * blocks * 128;
+                const float *Sag = Sa + (g - g0) * blocks * 8;
+                __m256 acc[8];
+#define T8_CASE(RR) t8_tile(RR, wb, kp, blocks, Bg, Sag, acc)
+                switch (rn) {
+                case 1: T8_CASE(1); break;
+                case 2: T8_CASE(2); break;
+                case 3: T8_CASE(3); break;
+                case 4: T8_CASE(4); break;
+                case 5: T8_CASE(5); break;
+                default: T8_CASE(6); break;
+                }
+#undef T8_CASE
+                /* lane n of acc[i]: row r + i, token 8g + n; * wscale, then stored
+                 * as token rows through a transpose as in gemm_tq8_tpl */
+                __m256 out[8];
+                for (size_t i = 0; i < rn; i++) acc[i] = _mm256_mul_ps(acc[i], ws[i]);
+                for (size_t i = rn; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                transpose8(acc, out);
+                const __m256i mask = lane_mask((long)rn);
+                const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8;
+                for (size_t n = 0; n < tn; n++) _mm256_maskstore_ps(Y + (8 * g + n) * ldy + r, mask, out[n]);
+            }
+        }
+    }
+    free(mem);
+}
+
 static void gemm_int8_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
                               size_t T, float *Y, size_t ldy) {
-    gemm_q_tpl(Q_INT8, W, r0, r1, A, T, Y, ldy);
+    if (T >= T8_MIN_TOKENS) gemm_t8(W, r0, r1, A, T, Y, ldy);
+    else gemm_q_tpl(Q_INT8, W, r0, r1, A, T, Y, ldy);
 }
 static void gemm_int4_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
                               size_t T, float *Y, size_t ldy) {
