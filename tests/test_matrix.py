@@ -294,6 +294,29 @@ def test_parallel_decode_spreads_rows_without_changing_them(storage):
         m.act_precision = "fp32"
 
 
+@pytest.mark.parametrize("storage", ["int4", "fp4"])
+def test_4bit_decode_over_scale_periods_on_every_isa(storage, isa_level):
+    """4-bit x q8 decode goes 8 rows (spread over the range) at a time, two
+    64-element units per step on AVX-512, with the rows' scales loaded for 8
+    units at once: odd and even unit counts, partial last steps and scale
+    periods, blocks past the row, tiny and zero rows, 1 and 2 threads: the
+    reference bits on every level."""
+    r = rng(17)
+    for rows, cols in [(16, 513), (17, 1000), (24, 1040), (40, 2065), (64, 4096), (8, 96), (9, 64), (8, 1)]:
+        W = r.standard_normal((rows, cols)).astype(np.float32)
+        W[1] *= np.float32(1e-30)
+        W[2, : cols // 3] = 0
+        x = (r.standard_normal(cols) * r.choice([1e-3, 1.0, 50.0], size=cols)).astype(np.float32)
+        m = Matrix(W, storage)
+        m.act_precision = "int8"
+        isa_level("ref")
+        want = m.gemv(x, threads=1)
+        for isa in ISAS:
+            isa_level(isa)
+            for threads in (1, 2):
+                assert same_bits(m.gemv(x, threads=threads), want), (isa, rows, cols, threads)
+
+
 @pytest.mark.parametrize("storage,act", sorted(NMSE_BOUND))
 def test_error_against_float64(storage, act):
     r = rng(7)

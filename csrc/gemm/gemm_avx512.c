@@ -22,7 +22,9 @@
  * (kernels.h): one chain per dot over exact integer block sums; their tiles
  * (8 rows for decode, 4 x 4 for several tokens) finish the block sums of 8
  * dots in one reduction (block_sums8, block_sums4x4) and keep 8 dots'
- * chains in one ymm. */
+ * chains in one ymm. 4-bit decode goes two 64-element units per step, the
+ * low and high nibbles of one 64-byte load into the same lanes
+ * (decode_nq8): half the unpacking and reductions of one unit a step. */
 #include "../kernels.h"
 
 #include <immintrin.h>
@@ -729,24 +731,137 @@ ALWAYS_INLINE void row_scales8(const int S, const uint8_t *const rows[8], size_t
     }
 }
 
-/* An R x TT tile of int4 or fp4 x q8 dots (R * TT <= 16): rows r, r + rs,
- * ..., tokens t..t+TT-1; dot p = i * TT + j sits in lane p % 8 of
- * acc[p / 8]. Decode tiles (8 rows, one token) take their weight scales
- * from row_scales8; the others read them per unit. Blocks past the row are
- * never folded in. */
+/* fp4 decode sums of 8 rows: v[i] holds row i's four-element sums, block
+ * m in dword lanes 2m and 2m + 1; out[k] = [block 2k of rows 0-7 | block
+ * 2k + 1] (integer additions: any order). */
+ALWAYS_INLINE void pair_block_sums8(const __m512i v[8], __m512i out[4]) {
+    __m512i w[4]; /* w[k], qword m: block m of rows 2k and 2k + 1 */
+    for (int k = 0; k < 4; k++) {
+        const __m512i p = v[2 * k], q = v[2 * k + 1];
+        const __m512i x = _mm512_mask_blend_epi32(0xAAAA, p, q); /* p0 q1 p2 q3 ... */
+        const __m512i y = _mm512_mask_shuffle_epi32(_mm512_shuffle_epi32(p, _MM_PERM_CDAB), 0xAAAA, q,
+                                                    _MM_PERM_CDAB); /* p1 q0 p3 q2 ... */
+        w[k] = _mm512_add_epi32(x, y);
+    }
+    /* 128-bit lane m of P[0] (P[1]): block m (4 + m) of rows 0-3; Q: rows 4-7 */
+    const __m512i lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i P[2] = {_mm512_permutex2var_epi64(w[0], lo, w[1]), _mm512_permutex2var_epi64(w[0], hi, w[1])};
+    const __m512i Q[2] = {_mm512_permutex2var_epi64(w[2], lo, w[3]), _mm512_permutex2var_epi64(w[2], hi, w[3])};
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int h = 0; h < 2; h++) {
+        out[2 * h] = _mm512_permutex2var_epi64(P[h], first, Q[h]);
+        out[2 * h + 1] = _mm512_permutex2var_epi64(P[h], second, Q[h]);
+    }
+}
+
+/* Decode of int4 or fp4 x q8: 8 rows r, r + rs, ..., r + 7 rs and one
+ * token, two 64-element units per step. A step's 64 code bytes of a row
+ * split into their low and high nibbles (unsigned bytes, as in
+ * nib_unit_u8), and both go to vpdpbusd into the same lanes against the
+ * activations that belong in those bytes' places, shuffled so once per step
+ * for all 8 rows. int4: 128-bit lane k of the low nibbles holds elements
+ * 0-15 of block k, of the high nibbles elements 16-31, so each block is one
+ * 128-bit lane (reduced as block_sums4x4 does); fp4: the low nibbles are
+ * the even elements and the high the odd, so each block is two adjacent
+ * dword lanes (pair_block_sums8). Against one unit per step this unpacks
+ * with three instructions per 128 elements instead of six and reduces half
+ * as often. The weight scales come from row_scales8 (units u..u+7 at once,
+ * prefetched two such periods ahead); the chain folds each block in order,
+ * blocks past the row never. An odd last unit meets zero activations in
+ * the step's second half (its code bytes are the row's scales or the
+ * matrix's slack). */
+ALWAYS_INLINE void decode_nq8(const int S, const int VNNI, const cism_mat *W, size_t r, size_t rs,
+                              const cism_act *A, float *Y) {
+    const size_t units = cism_div_up(W->cols, 64), so = W->scale_offset;
+    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
+    const size_t scale_step = S == CISM_INT4 ? 8 : 4; /* scale bytes per unit */
+    const uint8_t *rows[8];
+    for (int i = 0; i < 8; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+    for (int i = 0; i < 8; i++)
+        for (size_t u = 0; u < 16; u += 8) _mm_prefetch((const char *)(rows[i] + so + scale_step * u), _MM_HINT_T0);
+    const __m512i bias = _mm512_set1_epi8(CISM_NIB_BIAS(S)), low4 = _mm512_set1_epi8(15);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased));
+    const __m512i even_odd = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m512i evens = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odds = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    const int8_t *a = A->q8;
+    const float *as = A->qscale;
+    __m256 acc = _mm256_setzero_ps();
+    __m512 cws[16];
+    for (size_t u = 0; u < units; u += 2) {
+        const int two = u + 1 < units;
+        const __m512i a0 = _mm512_loadu_si512((const void *)(a + 64 * u));
+        const __m512i a1 = two ? _mm512_loadu_si512((const void *)(a + 64 * (u + 1))) : _mm512_setzero_si512();
+        __m512i alo, ahi; /* the activations of the low and the high nibbles */
+        if (S == CISM_INT4) {
+            alo = _mm512_shuffle_i32x4(a0, a1, 0x88); /* elements 0-15 of each block */
+            ahi = _mm512_shuffle_i32x4(a0, a1, 0xdd); /* 16-31 */
+        } else {
+            /* each 16 bytes to [evens | odds], then the evens' and the odds' qwords gathered */
+            const __m512i e0 = _mm512_shuffle_epi8(a0, even_odd), e1 = _mm512_shuffle_epi8(a1, even_odd);
+            alo = _mm512_permutex2var_epi64(e0, evens, e1);
+            ahi = _mm512_permutex2var_epi64(e0, odds, e1);
+        }
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i start = _mm512_sub_epi32(zero, dot4_acc(VNNI, dot4_acc(VNNI, zero, bias, alo), bias, ahi));
+        __m512i v[8];
+        for (int i = 0; i < 8; i++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(rows[i] + 32 * u));
+            __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+            if (S == CISM_FP4) {
+                lo = _mm512_shuffle_epi8(table, lo);
+                hi = _mm512_shuffle_epi8(table, hi);
+            }
+            v[i] = dot4_acc(VNNI, dot4_acc(VNNI, start, lo, alo), hi, ahi);
+        }
+        if (u % 8 == 0) {
+            row_scales8(S, rows, so, blocks, u, cws);
+            /* the scales sit after the row's codes, out of the prefetchers'
+             * sight: ask for those of two periods ahead (prefetches past the
+             * matrix are harmless) */
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(rows[i] + so + scale_step * (u + 16)), _MM_HINT_T0);
+        }
+        /* the activation scales of blocks 2u .. 2u + 3 (0 past the row) */
+        const float s0 = as[2 * u], s1 = as[2 * u + 1], s2 = two ? as[2 * u + 2] : 0.0f, s3 = two ? as[2 * u + 3] : 0.0f;
+        if (S == CISM_INT4) {
+            __m512i f01, f23;
+            block_sums4x4(v, &f01, &f23);
+            const __m512 g[2] = {_mm512_cvtepi32_ps(f01), _mm512_cvtepi32_ps(f23)};
+            const __m512 c[2] = {_mm512_mul_ps(cws[u % 8], join8(_mm256_set1_ps(s0), _mm256_set1_ps(s1))),
+                                 _mm512_mul_ps(cws[u % 8 + 1], join8(_mm256_set1_ps(s2), _mm256_set1_ps(s3)))};
+            const size_t b = 2 * u;
+            for (int k = 0; k < 2; k++) {
+                if (b + 2 * k < blocks) acc = _mm256_fmadd_ps(lo8(g[k]), lo8(c[k]), acc);
+                if (b + 2 * k + 1 < blocks) acc = _mm256_fmadd_ps(hi8(g[k]), hi8(c[k]), acc);
+            }
+        } else {
+            __m512i f[4];
+            pair_block_sums8(v, f);
+            const float s[4] = {s0, s1, s2, s3};
+            const size_t b = 4 * u;
+            for (int k = 0; k < 4; k++) {
+                const __m512 g = _mm512_cvtepi32_ps(f[k]);
+                const __m512 c = _mm512_mul_ps(cws[2 * (u % 8) + k], _mm512_set1_ps(s[k]));
+                if (b + 2 * k < blocks) acc = _mm256_fmadd_ps(lo8(g), lo8(c), acc);
+                if (b + 2 * k + 1 < blocks) acc = _mm256_fmadd_ps(hi8(g), hi8(c), acc);
+            }
+        }
+    }
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int i = 0; i < 8; i++) Y[r + i * rs] = out[i];
+}
+
+/* An R x TT tile of int4 or fp4 x q8 dots (R * TT <= 16, not the decode
+ * tile): rows r, r + rs, ..., tokens t..t+TT-1; dot p = i * TT + j sits in
+ * lane p % 8 of acc[p / 8]. Blocks past the row are never folded in. */
 ALWAYS_INLINE void tile_nq8(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
                             size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
     const size_t units = cism_div_up(W->cols, 64), so = W->scale_offset;
     const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
-    const int P = R * TT, G = (P + 7) / 8, D = R == 8 && TT == 1;
+    const int P = R * TT, G = (P + 7) / 8;
     const uint8_t *rows[8];
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m512 cws[16];
     for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-    if (D)
-        for (int i = 0; i < 8; i++)
-            for (size_t u = 0; u < 16; u += 8)
-                _mm_prefetch((const char *)(rows[i] + so + (S == CISM_INT4 ? 8 : 4) * u), _MM_HINT_T0);
     const __m512i bias = _mm512_set1_epi8(CISM_NIB_BIAS(S));
     for (size_t u = 0; u < units; u++) {
         __m512i a[4], start[4], v[16];
@@ -764,37 +879,28 @@ ALWAYS_INLINE void tile_nq8(const int S, const int VNNI, const int R, const int 
             s0[j] = A->qscale[(t + j) * A->ldqs + 2 * u];
             s1[j] = A->qscale[(t + j) * A->ldqs + 2 * u + 1];
         }
-        if (D && u % 8 == 0) {
-            row_scales8(S, rows, so, blocks, u, cws);
-            /* the scales sit after the row's codes, out of the prefetchers'
-             * sight: ask for those of two steps ahead (prefetches past the
-             * matrix are harmless) */
-            for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)(rows[i] + so + (S == CISM_INT4 ? 8 : 4) * (u + 16)), _MM_HINT_T0);
-        }
-        /* the rows' scales of this unit's blocks (0 past the row), when not transposed */
+        /* the rows' scales of this unit's blocks (0 past the row) */
         float ws[4][8];
-        if (!D)
-            for (int i = 0; i < R; i++)
-                for (int k = 0; k < (S == CISM_INT4 ? 2 : 4); k++) {
-                    const size_t b = (S == CISM_INT4 ? 2 : 4) * u + k;
-                    ws[k][i] = b >= blocks ? 0.0f
-                               : S == CISM_INT4 ? int4_scale(row_at(S, W, r + i * rs), so, b)
-                                                : e4m3_half[rows[i][so + b]];
-                }
+        for (int i = 0; i < R; i++)
+            for (int k = 0; k < (S == CISM_INT4 ? 2 : 4); k++) {
+                const size_t b = (S == CISM_INT4 ? 2 : 4) * u + k;
+                ws[k][i] = b >= blocks ? 0.0f
+                           : S == CISM_INT4 ? int4_scale(row_at(S, W, r + i * rs), so, b)
+                                            : e4m3_half[rows[i][so + b]];
+            }
         for (int g = 0; g < G; g++) {
             const __m256 a0 = per_token8(s0, TT, g), a1 = per_token8(s1, TT, g);
             if (S == CISM_INT4) {
                 const __m512 f = _mm512_cvtepi32_ps(block_sums8(v + 8 * g));
-                const __m512 cw = D ? cws[u % 8] : join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
+                const __m512 cw = join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
                 const __m512 c = _mm512_mul_ps(cw, join8(a0, a1)); /* wscale_b * ascale_b */
                 acc[g] = _mm256_fmadd_ps(lo8(f), lo8(c), acc[g]);
                 if (2 * u + 1 < blocks) acc[g] = _mm256_fmadd_ps(hi8(f), hi8(c), acc[g]);
             } else {
                 __m512i f01, f23;
                 block_sums4x4(v + 8 * g, &f01, &f23);
-                const __m512 cw01 = D ? cws[2 * (u % 8)] : join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
-                const __m512 cw23 = D ? cws[2 * (u % 8) + 1] : join8(per_row8(ws[2], P, TT, g), per_row8(ws[3], P, TT, g));
+                const __m512 cw01 = join8(per_row8(ws[0], P, TT, g), per_row8(ws[1], P, TT, g));
+                const __m512 cw23 = join8(per_row8(ws[2], P, TT, g), per_row8(ws[3], P, TT, g));
                 const __m512 c01 = _mm512_mul_ps(cw01, join8(a0, a0)), c23 = _mm512_mul_ps(cw23, join8(a1, a1));
                 const __m512 g01 = _mm512_cvtepi32_ps(f01), g23 = _mm512_cvtepi32_ps(f23);
                 const size_t b = 4 * u;
@@ -814,6 +920,7 @@ ALWAYS_INLINE void tile_nq8(const int S, const int VNNI, const int R, const int 
 ALWAYS_INLINE void tile_q(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
                           size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
     if (S == CISM_INT8) tile_i8q8(VNNI, R, TT, W, r, rs, A, t, Y, ldy);
+    else if (R == 8 && TT == 1) decode_nq8(S, VNNI, W, r, rs, A, Y);
     else tile_nq8(S, VNNI, R, TT, W, r, rs, A, t, Y, ldy);
 }
 
