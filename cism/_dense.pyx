@@ -584,6 +584,39 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
             K.axpy(sc[i * span + tau], v_row(kv, l, tau) + kvh * hd, out + i * QW, hd)
 
 
+cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t kvh,
+                       const KV *kv, float *sc) noexcept nogil:
+    """Attention of token g alone in its tile (decode, a batch of decode
+    tokens) for the heads that share KV head kvh, up to QTILE of them at a
+    time as one tile of queries over the same keys and values: the score
+    dots as one gemm of those heads' queries, the weighted sums as one
+    axpy_tile. The gemm gives each query the dots it gets alone and
+    axpy_tile each output the fma chain of plain axpy calls (csrc/kernels.h),
+    so every head gets exactly attend()'s arithmetic for it alone; the tile
+    reads each key and value once for the heads and gives the weighted sums
+    several independent chains."""
+    cdef size_t hd = m.head_dim, KW = m.kv_width, G = m.heads // m.kv_heads
+    cdef size_t p = w.pos_of[g], span = p + 1, tau, run, h0, nh, j
+    cdef const float *q
+    cdef float *out
+    for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
+        nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
+        q = w.q + g * m.q_width + h0 * hd
+        out = w.att + g * m.q_width + h0 * hd
+        tau = 0
+        while tau < span:
+            run = key_run(kv, tau, span)
+            tile_scores(K, q, hd, nh, k_row(kv, l, tau) + kvh * hd, KW, run, hd, sc + tau, span)
+            tau += run
+        for j in range(nh):
+            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
+        tau = 0
+        while tau < span:
+            run = key_run(kv, tau, span)
+            K.axpy_tile(sc + tau, span, nh, v_row(kv, l, tau) + kvh * hd, KW, run, out, hd, hd)
+            tau += run
+
+
 cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:
     """Cut the T tokens into runs of up to QTILE tokens of one sequence at
     consecutive positions (a prompt chunk gives full tiles, a batch of
@@ -611,7 +644,9 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef int ntH
     cdef size_t ntiles
     cdef int ntO = nt if n_out > 1 else 1
-    cdef size_t S = 0, g, l, r, i
+    cdef size_t S = 0, g, l, r, i, nq, h
+    cdef size_t group = m.heads // m.kv_heads
+    cdef float *sc
     cdef const Layer *L
     cdef const cism_mat *mats[3]
     cdef float *outs[3]
@@ -627,7 +662,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
     ntiles = query_tiles(w, T)
-    ntH = nt if ntiles * m.heads > 1 else 1
+    ntH = nt if ntiles * m.kv_heads > 1 else 1
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
@@ -654,12 +689,19 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # (qwen3 q/k norms,) rotate q and k, store k and v
         for g in prange(T, num_threads=ntT, schedule='static'):
             qk_rope_store(m, w, l, g, &kvs[w.seq_of[g]], w.pos_of[g], threadid())
-        # causal GQA attention, one (query tile, head) per work item; later
-        # tiles attend over more positions, hence the dynamic schedule
-        for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
-            g = w.tile_of[r // m.heads]
-            attend(m, K, w, l, g, (w.tile_of[r // m.heads + 1] if r // m.heads + 1 < ntiles else T) - g,
-                   r % m.heads, &kvs[w.seq_of[g]], w.scores + threadid() * QTILE * w.score_cap)
+        # causal GQA attention, one (query tile, KV group) per work item: a
+        # lone query's heads of the group go together (attend_group), a
+        # tile of several queries head by head; later tiles attend over more
+        # positions, hence the dynamic schedule
+        for r in prange(ntiles * m.kv_heads, num_threads=ntH, schedule='dynamic'):
+            g = w.tile_of[r // m.kv_heads]
+            nq = (w.tile_of[r // m.kv_heads + 1] if r // m.kv_heads + 1 < ntiles else T) - g
+            sc = w.scores + threadid() * QTILE * w.score_cap
+            if nq == 1:
+                attend_group(m, K, w, l, g, r % m.kv_heads, &kvs[w.seq_of[g]], sc)
+            else:
+                for h in range((r % m.kv_heads) * group, (r % m.kv_heads + 1) * group):
+                    attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM

@@ -82,12 +82,15 @@ def test_thread_count_does_not_change_logits(precision):
         assert np.array_equal(Model(config, w, precision, threads=threads).logits(prompt), base)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-fp4"])
-def test_decode_steps_equal_blocked_prefill(precision):
+@pytest.mark.parametrize("precision,heads,kv_heads", [("fp32", 4, 2), ("int8", 4, 2), ("hybrid-fp4", 4, 2),
+                                                      ("fp32", 4, 4), ("fp32", 6, 2), ("int8", 12, 2)])
+def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads):
     """Logits after each single-token decode step equal, bit for bit, the
     logits of prefilling the same tokens as one blocked prompt (chunks of 256,
-    whose boundary the sequence crosses)."""
-    model = small_model("llama", precision, context=1024)
+    whose boundary the sequence crosses). Decode attends with the heads of
+    a KV group as one tile (up to 4 at a time), prefill head by head: group
+    sizes 1, 2, 3 and 6."""
+    model = small_model("llama", precision, context=1024, heads=heads, kv_heads=kv_heads)
     prompt = list(np.random.default_rng(2).integers(0, 97, 250))
     s = model.create_session(prompt, 12)
     assert s.last_logits is None
