@@ -24,7 +24,7 @@ from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
-from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_scores, tile_softmax
+from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_softmax
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -423,20 +423,26 @@ def kv_budget_from_env():
 # ----------------------------------------------------------- forward pass ---
 
 cdef struct KV:
-    # Contiguous caches: keys/values are (layers, capacity, kv_width).
-    # Paged: keys/values are the pool's pages (blocks, layers, 16, kv_width)
-    # and `blocks` maps position // 16 to a page.
+    # Keys sit in key tiles: the keys of 16 consecutive positions of a layer
+    # transposed, (kv_width, 16) floats with position p in lane p & 15, which
+    # is what the scores16 kernel reads (keys in lanes). Values are rows.
+    # Contiguous caches: keys (layers, capacity / 16, kv_width, 16) from
+    # keys_mem (zeroed, 64-byte aligned), values (layers, capacity, kv_width).
+    # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
+    # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
     float *keys
     float *values
+    void *keys_mem
     size_t capacity
     const size_t *blocks
     size_t layers, kv_width
 
 
-cdef inline float *k_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
+cdef inline float *k_tile(const KV *kv, size_t l, size_t pos) noexcept nogil:
+    """The key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
-        return kv.keys + (l * kv.capacity + pos) * kv.kv_width
-    return kv.keys + ((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
+        return kv.keys + (l * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.kv_width * 16
+    return kv.keys + (kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width * 16
 
 
 cdef inline float *v_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
@@ -521,6 +527,7 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     cdef const float *c
     cdef const float *s
     cdef float *tmp
+    cdef float *tile
     cdef float angle
     if m.qwen3:
         # per-head RMS norms of q and k before rotation
@@ -541,7 +548,9 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
         s = tmp + half
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
-    memcpy(k_row(kv, l, pos), k, m.kv_width * sizeof(float))
+    tile = k_tile(kv, l, pos) + (pos & 15)
+    for j in range(m.kv_width):
+        tile[j * 16] = k[j]
     memcpy(v_row(kv, l, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
 
 
@@ -558,8 +567,8 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     consecutive positions p0..p0 + nq - 1 (one query tile).
 
     Every query gets exactly the arithmetic of attending alone, position by
-    position: its scores are canonical dots (the fp32 gemm kernel with the
-    cached keys as the matrix and the queries as tokens), times the scale;
+    position: its scores are canonical dots (scores16 over the key tiles:
+    the fp32 gemm's bits for each key), times the scale;
     then max, exp, one sum in position order, each weight score / sum; then
     out = fma(weight, value, out) over positions in order (axpy_tile for the
     positions every query of the tile sees, plain axpy for the rest)."""
@@ -568,11 +577,8 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     cdef size_t kvh = h // (m.heads // m.kv_heads)
     cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
-    tau = 0
-    while tau < span:
-        run = key_run(kv, tau, span)
-        tile_scores(K, q, QW, nq, k_row(kv, l, tau) + kvh * hd, KW, run, hd, sc + tau, span)
-        tau += run
+    for tau in range(0, span, 16):
+        K.scores16(q, QW, nq, k_tile(kv, l, tau) + kvh * hd * 16, hd, sc + tau, span, min(span - tau, 16))
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
     tau = 0
     while tau <= p0:
@@ -603,11 +609,8 @@ cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
         q = w.q + g * m.q_width + h0 * hd
         out = w.att + g * m.q_width + h0 * hd
-        tau = 0
-        while tau < span:
-            run = key_run(kv, tau, span)
-            tile_scores(K, q, hd, nh, k_row(kv, l, tau) + kvh * hd, KW, run, hd, sc + tau, span)
-            tau += run
+        for tau in range(0, span, 16):
+            K.scores16(q, hd, nh, k_tile(kv, l, tau) + kvh * hd * 16, hd, sc + tau, span, min(span - tau, 16))
         for j in range(nh):
             tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
         tau = 0
@@ -644,7 +647,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef int ntH
     cdef size_t ntiles
     cdef int ntO = nt if n_out > 1 else 1
-    cdef size_t S = 0, g, l, r, i, nq, h
+    cdef size_t S = 0, g, l, r, i, nq, h, per_tile, items
     cdef size_t group = m.heads // m.kv_heads
     cdef float *sc
     cdef const Layer *L
@@ -662,7 +665,9 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
     ntiles = query_tiles(w, T)
-    ntH = nt if ntiles * m.kv_heads > 1 else 1
+    per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
+    items = ntiles * per_tile
+    ntH = nt if items > 1 else 1
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
@@ -691,16 +696,20 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
             qk_rope_store(m, w, l, g, &kvs[w.seq_of[g]], w.pos_of[g], threadid())
         # causal GQA attention, one (query tile, KV group) per work item: a
         # lone query's heads of the group go together (attend_group), a
-        # tile of several queries head by head; later tiles attend over more
-        # positions, hence the dynamic schedule
-        for r in prange(ntiles * m.kv_heads, num_threads=ntH, schedule='dynamic'):
-            g = w.tile_of[r // m.kv_heads]
-            nq = (w.tile_of[r // m.kv_heads + 1] if r // m.kv_heads + 1 < ntiles else T) - g
+        # tile of several queries head by head; with fewer than two groups
+        # per thread (one sequence, few KV heads), one (tile, head) per item
+        # instead, for balance. Later tiles attend over more positions,
+        # hence the dynamic schedule.
+        for r in prange(items, num_threads=ntH, schedule='dynamic'):
+            g = w.tile_of[r // per_tile]
+            nq = (w.tile_of[r // per_tile + 1] if r // per_tile + 1 < ntiles else T) - g
             sc = w.scores + threadid() * QTILE * w.score_cap
-            if nq == 1:
-                attend_group(m, K, w, l, g, r % m.kv_heads, &kvs[w.seq_of[g]], sc)
+            if per_tile == m.heads:
+                attend(m, K, w, l, g, nq, r % per_tile, &kvs[w.seq_of[g]], sc)
+            elif nq == 1:
+                attend_group(m, K, w, l, g, r % per_tile, &kvs[w.seq_of[g]], sc)
             else:
-                for h in range((r % m.kv_heads) * group, (r % m.kv_heads + 1) * group):
+                for h in range((r % per_tile) * group, (r % per_tile + 1) * group):
                     attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
@@ -739,21 +748,26 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
 
 cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
     cdef size_t n = m.layers * capacity * m.kv_width
+    cdef size_t nk = m.layers * ((capacity + 15) >> 4) * 16 * m.kv_width
     kv.capacity = capacity
     kv.layers = m.layers
     kv.kv_width = m.kv_width
     kv.blocks = NULL
-    if kv.keys == NULL:
-        kv.keys = <float*>malloc(n * sizeof(float) + 64)
+    if kv.keys_mem == NULL:
+        # zeroed (calloc: lazily, page by page), so the lanes of the last
+        # tile past the written positions hold zeros, never stray bits
+        kv.keys_mem = calloc(nk * sizeof(float) + 64, 1)
         kv.values = <float*>malloc(n * sizeof(float) + 64)
-        if kv.keys == NULL or kv.values == NULL:
+        if kv.keys_mem == NULL or kv.values == NULL:
             return NOMEM
+        kv.keys = <float*>((<size_t>kv.keys_mem + 63) // 64 * 64)
     return OK
 
 
 cdef void kv_free(KV *kv) noexcept nogil:
-    free(kv.keys)
+    free(kv.keys_mem)
     free(kv.values)
+    kv.keys_mem = NULL
     kv.keys = NULL
     kv.values = NULL
 
@@ -798,7 +812,8 @@ cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64
 
 
 cdef size_t kv_cache_bytes(const ModelC *m, size_t capacity) noexcept:
-    return 2 * sizeof(float) * m.layers * capacity * m.kv_width
+    # values by position, keys by whole tiles of 16
+    return sizeof(float) * m.layers * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
 
 
 cdef object check_kv(const ModelC *m, size_t capacity, size_t sequences=1):

@@ -176,6 +176,24 @@ def axpy_tile(P, V, O):
     return out
 
 
+def scores16(Q, Kt, nk=16):
+    """Attention scores of queries Q (nq, hd) against a key tile Kt (hd, 16):
+    the table's kernel (keys in lanes), (nq, 16) canonical dots, each the
+    bits of the fp32 gemm with key j = Kt[:, j] as a matrix row; columns
+    from nk on stay zero (the kernel stores keys j < nk only)."""
+    cdef cnp.ndarray q = np.ascontiguousarray(Q, dtype=np.float32)
+    cdef cnp.ndarray kt = np.ascontiguousarray(Kt, dtype=np.float32)
+    if q.ndim != 2 or kt.ndim != 2 or kt.shape[1] != 16 or kt.shape[0] != q.shape[1]:
+        raise ValueError(f"Q must be (nq, hd) and Kt (hd, 16): got {np.shape(q)} and {np.shape(kt)}")
+    if not 1 <= nk <= 16:
+        raise ValueError(f"nk must be in [1, 16]: got {nk}")
+    cdef cnp.ndarray out = np.zeros((q.shape[0], 16), np.float32)
+    cism_table().scores16(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
+                          <const float*>cnp.PyArray_DATA(kt), q.shape[1],
+                          <float*>cnp.PyArray_DATA(out), 16, nk)
+    return out
+
+
 def quantize(x):
     """Quantize an activation row as the int8 activation paths do: int8
     codes, 127/absmax per 32-element block. Returns (codes zero padded to a

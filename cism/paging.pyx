@@ -3,7 +3,10 @@
 Keys and values live in two page arrays of shape
 ``(num_blocks, num_layers, block_size, kv_width)`` float32. A request (one
 session) owns an ordered list of blocks; position p of a request lives in
-slot p % 16 of its block p // 16.
+slot p % 16 of its block p // 16. The key pages are a view: their memory
+holds each (page, layer) transposed, (kv_width, block_size), 64-byte
+aligned: the key tiles that attention reads with keys in lanes
+(cism/_dense.pyx, csrc/kernels.h scores16).
 
 - The free stack is LIFO; a new pool hands out block 0 first.
 - Blocks are reference counted. ``fork`` shares a source's whole prefix
@@ -22,6 +25,15 @@ from cism._config import MAX_KV_BYTES, is_int
 cnp.import_array()
 
 BLOCK_SIZE = 16
+
+
+def _key_pages(blocks, layers, kv_width):
+    """Zeroed key pages: (blocks, layers, 16, kv_width) as a view of 64-byte
+    aligned (blocks, layers, kv_width, 16) memory."""
+    n = blocks * layers * kv_width * BLOCK_SIZE
+    buf = np.zeros(n + 16, np.float32)
+    skip = (-buf.ctypes.data // 4) % 16
+    return buf[skip: skip + n].reshape(blocks, layers, kv_width, BLOCK_SIZE).transpose(0, 1, 3, 2)
 
 
 class OutOfBlocks(RuntimeError):
@@ -73,7 +85,7 @@ cdef class BlockPool:
         self._check_bytes(num_blocks)
         shape = (num_blocks, num_layers, block_size, kv_width)
         try:
-            self.k_pages_ = np.zeros(shape, np.float32)
+            self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width)
             self.v_pages_ = np.zeros(shape, np.float32)
         except MemoryError:
             raise MemoryError(f"cannot allocate a KV pool of {num_blocks} blocks") from None
@@ -284,7 +296,7 @@ cdef class BlockPool:
         total = self.num_blocks + extra_blocks
         self._check_bytes(total)
         shape = (total, self.num_layers, self.block_size, self.kv_width)
-        k = np.zeros(shape, np.float32)
+        k = _key_pages(total, self.num_layers, self.kv_width)
         v = np.zeros(shape, np.float32)
         k[: self.num_blocks] = self.k_pages_
         v[: self.num_blocks] = self.v_pages_
@@ -314,7 +326,8 @@ cdef class BlockPool:
 
     @property
     def k_pages(self):
-        """The key pages, (num_blocks, num_layers, block_size, kv_width) float32."""
+        """The key pages, (num_blocks, num_layers, block_size, kv_width) float32
+        (a view of memory that keeps each page's keys transposed)."""
         return self.k_pages_
 
     @property

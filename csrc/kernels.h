@@ -80,6 +80,16 @@ typedef void (*cism_axpy_fn)(float a, const float *x, float *y, size_t n);
  * several queries. */
 typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
                                   size_t nk, float *O, size_t ldo, size_t n);
+/* Attention scores against keys kept transposed in blocks of 16 positions
+ * (a key tile): key j < nk <= 16 has element e at Kt[16 * e + j]. For each
+ * query i < nq, S[i * lds + j] = the canonical dot of query i (hd floats at
+ * Q + i * ldq) with key j: the bits gemm[CISM_FP32] gives with the keys as
+ * matrix rows. With keys in lanes the 16 lane chains of the canonical dot
+ * are 16 accumulator vectors and its reduction tree is vertical adds.
+ * SIMD variants read all 16 lanes of each Kt row (compute on lanes past nk
+ * and never store them). */
+typedef void (*cism_scores16_fn)(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd,
+                                 float *S, size_t lds, size_t nk);
 /* Quantize n floats: writes cism_act_len(n) codes and cism_act_len(n)/32
  * scales, zero beyond n (so kernels may read whole vectors). */
 typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
@@ -110,6 +120,7 @@ typedef struct cism_kernels {
     cism_dot_fn dot;
     cism_axpy_fn axpy;
     cism_axpy_tile_fn axpy_tile;
+    cism_scores16_fn scores16;
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;

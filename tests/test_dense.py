@@ -88,20 +88,21 @@ def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads):
     """Logits after each single-token decode step equal, bit for bit, the
     logits of prefilling the same tokens as one blocked prompt (chunks of 256,
     whose boundary the sequence crosses). Decode attends with the heads of
-    a KV group as one tile (up to 4 at a time), prefill head by head: group
-    sizes 1, 2, 3 and 6."""
-    model = small_model("llama", precision, context=1024, heads=heads, kv_heads=kv_heads)
-    prompt = list(np.random.default_rng(2).integers(0, 97, 250))
-    s = model.create_session(prompt, 12)
-    assert s.last_logits is None
-    s.next_tokens(0)
-    generated = []
-    for _ in range(12):
-        generated += s.next_tokens(1)
-        if s.finish_reason:
-            break
-        assert np.array_equal(s.last_logits, model.logits(prompt + generated))
-    assert len(generated) == 12
+    a KV group as one tile (up to 4 at a time; at one thread, or with two
+    groups per thread), prefill head by head: group sizes 1, 2, 3 and 6."""
+    for threads in (1, 2):
+        model = small_model("llama", precision, threads=threads, context=1024, heads=heads, kv_heads=kv_heads)
+        prompt = list(np.random.default_rng(2).integers(0, 97, 250))
+        s = model.create_session(prompt, 12)
+        assert s.last_logits is None
+        s.next_tokens(0)
+        generated = []
+        for _ in range(12):
+            generated += s.next_tokens(1)
+            if s.finish_reason:
+                break
+            assert np.array_equal(s.last_logits, model.logits(prompt + generated)), threads
+        assert len(generated) == 12
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_speculative_equals_greedy(precision):

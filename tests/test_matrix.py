@@ -459,6 +459,33 @@ def test_negative_zero_lanes_survive_tails(isa_level):
             assert same_bits(m.gemv(x), want), (isa, storage)
 
 
+def test_attention_scores16_are_the_gemv_dots_on_every_isa(isa_level):
+    """scores16 (attention's score dots against keys kept transposed in
+    tiles of 16 positions, keys in lanes) gives, for every query and key,
+    the bits of the fp32 gemv with the key as a matrix row: head sizes with
+    lane tails below and past 16, several queries, partial tiles (lanes past
+    nk are never stored), tiny products that round to -0 in a lane."""
+    r = rng(23)
+    for hd in (1, 5, 16, 17, 31, 64, 80, 128, 256):
+        for nq in (1, 3, 4):
+            keys = r.standard_normal((16, hd)).astype(np.float32)
+            Q = r.standard_normal((nq, hd)).astype(np.float32)
+            keys[3] = -(2.0 ** -100)
+            Q[0] = np.abs(Q[0]) * np.float32(2.0 ** -60)
+            isa_level("ref")
+            want = Matrix(keys, "fp32").gemm(Q, threads=1)
+            for isa in ISAS:
+                isa_level(isa)
+                assert same_bits(_kernels.scores16(Q, keys.T), want), (isa, hd, nq)
+                for nk in (1, 7, 8, 9, 15):
+                    got = _kernels.scores16(Q, keys.T, nk)
+                    assert same_bits(got[:, :nk], want[:, :nk]) and not got[:, nk:].any(), (isa, hd, nq, nk)
+    with pytest.raises(ValueError, match="Kt"):
+        _kernels.scores16(np.zeros((2, 8)), np.zeros((8, 15)))
+    with pytest.raises(ValueError, match="nk"):
+        _kernels.scores16(np.zeros((2, 8)), np.zeros((8, 16)), 0)
+
+
 def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
     """axpy_tile (attention's weighted sum of values, several queries at
     once) equals the same axpy calls made one by one, bit for bit, for

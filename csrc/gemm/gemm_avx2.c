@@ -1054,6 +1054,37 @@ ALWAYS_INLINE void axpy_pass_avx2(const int QN, const float *P, size_t ldp, cons
         for (int v = 0; v < 4; v++) _mm256_maskstore_ps(O + q * ldo + c0 + 8 * v, m[v], o[q][v]);
 }
 
+/* Scores of nq queries against a key tile (kernels.h): keys in lanes, 8 at
+ * a time. The lane chains of the canonical dot go in pairs (l, l + 8), whose
+ * sum is the tree's first level, so 8 partial sums live at once instead of
+ * 16 accumulators; the rest of the tree is vertical adds. */
+static void scores16_avx2(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
+                          size_t lds, size_t nk) {
+    for (size_t i = 0; i < nq; i++) {
+        const float *q = Q + i * ldq;
+        for (size_t h = 0; h < nk; h += 8) {
+            __m256 s8[8];
+            for (int l = 0; l < 8; l++) {
+                __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+                for (size_t e = (size_t)l; e < hd; e += 16)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), _mm256_loadu_ps(Kt + 16 * e + h), a);
+                for (size_t e = (size_t)l + 8; e < hd; e += 16)
+                    b = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), _mm256_loadu_ps(Kt + 16 * e + h), b);
+                s8[l] = _mm256_add_ps(a, b);
+            }
+            for (int l = 0; l < 4; l++) s8[l] = _mm256_add_ps(s8[l], s8[l + 4]);
+            const __m256 r = _mm256_add_ps(_mm256_add_ps(s8[0], s8[2]), _mm256_add_ps(s8[1], s8[3]));
+            if (nk - h >= 8) {
+                _mm256_storeu_ps(S + i * lds + h, r);
+            } else {
+                float t[8];
+                _mm256_storeu_ps(t, r);
+                for (size_t j = 0; j < nk - h; j++) S[i * lds + h + j] = t[j];
+            }
+        }
+    }
+}
+
 static void axpy_tile_avx2(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
                            size_t nk, float *O, size_t ldo, size_t n) {
     for (size_t q = 0; q < nq; q += 4) {
@@ -1130,6 +1161,7 @@ void cism_fill_gemm_avx2(cism_kernels *k) {
     k->dot = dot_avx2;
     k->axpy = axpy_avx2;
     k->axpy_tile = axpy_tile_avx2;
+    k->scores16 = scores16_avx2;
     k->quant8 = quant8_avx2;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx2";
 }

@@ -1314,6 +1314,28 @@ static void axpy_tile_avx512(const float *P, size_t ldp, size_t nq, const float 
     }
 }
 
+/* Scores of nq queries against a key tile (kernels.h): keys in lanes, one
+ * accumulator vector per lane of the canonical dot (element e goes to
+ * acc[e % 16]), the reduction tree as vertical adds. */
+static void scores16_avx512(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
+                            size_t lds, size_t nk) {
+    const __mmask16 m = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);
+    for (size_t i = 0; i < nq; i++) {
+        const float *q = Q + i * ldq;
+        __m512 acc[16];
+        for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
+        size_t e = 0;
+        for (; e + 16 <= hd; e += 16)
+            for (int l = 0; l < 16; l++)
+                acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), _mm512_loadu_ps(Kt + 16 * (e + l)), acc[l]);
+        for (int l = 0; e + l < hd; l++)
+            acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), _mm512_loadu_ps(Kt + 16 * (e + l)), acc[l]);
+        for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
+        for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
+        _mm512_mask_storeu_ps(S + i * lds, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3])));
+    }
+}
+
 /* Absolute maximum and the two rounded halves of one 32-element block. */
 ALWAYS_INLINE float block_absmax(const float *x, size_t start, size_t n, __m512 *v0, __m512 *v1) {
     const size_t left = start < n ? n - start : 0;
@@ -1358,6 +1380,7 @@ void cism_fill_gemm_avx512(cism_kernels *k) {
     k->dot = dot_avx512;
     k->axpy = axpy_avx512;
     k->axpy_tile = axpy_tile_avx512;
+    k->scores16 = scores16_avx512;
     k->quant8 = quant8_avx512;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx512";
 }

@@ -106,6 +106,16 @@ static void axpy_tile_ref(const float *P, size_t ldp, size_t nq, const float *V,
         for (size_t k = 0; k < nk; k++) axpy_ref(P[q * ldp + k], V + k * ldv, O + q * ldo, n);
 }
 
+static void scores16_ref(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
+                         size_t lds, size_t nk) {
+    for (size_t i = 0; i < nq; i++)
+        for (size_t j = 0; j < nk; j++) {
+            float acc[16] = {0};
+            for (size_t e = 0; e < hd; e++) acc[e % 16] = fmaf(Kt[16 * e + j], Q[i * ldq + e], acc[e % 16]);
+            S[i * lds + j] = cism_reduce16(acc);
+        }
+}
+
 static float block_absmax(const float *x, size_t start, size_t n) {
     float m = 0.0f;
     for (size_t i = start; i < start + 32 && i < n; i++) {
@@ -138,6 +148,7 @@ void cism_fill_gemm_ref(cism_kernels *k) {
     k->dot = dot_ref;
     k->axpy = axpy_ref;
     k->axpy_tile = axpy_tile_ref;
+    k->scores16 = scores16_ref;
     k->quant8 = quant8_ref;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "ref";
 }
