@@ -16,7 +16,7 @@ import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.math cimport sqrt, sqrtf, powf, cosf, sinf, exp, log, isfinite
-from libc.stdint cimport int64_t, uint64_t, uint8_t
+from libc.stdint cimport int64_t, uint64_t, uint8_t, uint16_t
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 
@@ -77,14 +77,15 @@ cdef struct ModelC:
     int threads
     bint act_q8
     bint prefill_bf16          # prompt tokens' layer projections in the bf16 precision
+    bint kv_f16                # KV caches hold binary16 (kv_precision "fp16")
 
 
 cdef class DenseModel(WeightStore):
     """Dense Llama/Qwen3 weights packed for inference.
 
     ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32",
-    prefill_precision="exact")`` with ``weights`` a mapping of HF tensor names
-    to float arrays.
+    prefill_precision="exact", kv_precision="fp32")`` with ``weights`` a
+    mapping of HF tensor names to float arrays.
     """
     cdef ModelC c
     cdef list rope_keep            # inv_freq and the rotary tables (not weights)
@@ -96,7 +97,7 @@ cdef class DenseModel(WeightStore):
         memset(&self.c, 0, sizeof(ModelC))
 
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
-                 prefill_precision="exact"):
+                 prefill_precision="exact", kv_precision="fp32"):
         cls_config = getattr(type(self), "config_class", None)
         if cls_config is None:
             from cism.dense import Config as cls_config
@@ -104,6 +105,7 @@ cdef class DenseModel(WeightStore):
             raise ValueError(f"config must be a cism.dense.Config, got {type(config).__name__}")
         protected, mlp = check_precisions(precision, act_precision)
         check_prefill_precision(prefill_precision)
+        check_kv_precision(kv_precision)
         from cism.dense import weight_shapes
         self.config = config
         self.precision_ = precision
@@ -130,6 +132,8 @@ cdef class DenseModel(WeightStore):
         self.c.kv_width = c.kv_heads * c.head_dim
         self.c.eps = c.eps
         self.c.qwen3 = c.model_type == "qwen3"
+        self.c.kv_f16 = kv_precision == "fp16"
+        self.kv_precision_ = kv_precision
         self.c.threads = nthreads
         self.scan_threads = nthreads
         self.threads_ = nthreads
@@ -193,6 +197,16 @@ cdef class DenseModel(WeightStore):
 
     cdef void apply_act_precision(self):
         self.c.act_q8 = self.act_q8_
+
+    @property
+    def kv_precision(self):
+        """What the KV caches hold: ``"fp32"`` (default) or ``"fp16"``: keys
+        and values rounded to binary16 as they are stored (half the bytes
+        per cached position, so twice the positions per budget and faster
+        long-context decode; attention then runs in fp32 over the widened
+        values, with every bitwise guarantee kept; docs/EXACTNESS.md).
+        Chosen when the model is built."""
+        return self.kv_precision_
 
     @property
     def prefill_precision(self):
@@ -280,11 +294,11 @@ cdef class DenseModel(WeightStore):
     def _paged_state(self):
         with self.lock_:
             if self.paged_state is None:
-                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks())
-                nbytes = cap * self.c.layers * 16 * self.c.kv_width * 8
+                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks(), self.kv_esize())
+                nbytes = cap * self.c.layers * 16 * self.c.kv_width * 2 * self.kv_esize()
                 self.reserve_kv(nbytes, f"the paged pool ({cap} blocks)")
                 try:
-                    self.paged_state = PagedState(BlockPool(cap, self.c.layers, self.c.kv_width), cap)
+                    self.paged_state = PagedState(self.new_pool(cap), cap)
                 except BaseException:
                     self.release_kv(nbytes)
                     raise
@@ -369,14 +383,14 @@ cdef class DenseModel(WeightStore):
         max_blocks = check_count(max_blocks, "max_blocks")
         st = self._paged_state()
         with st:
-            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks)
+            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks, self.kv_esize())
             old = st.pool.kv_bytes()
-            new = cap * self.c.layers * 16 * self.c.kv_width * 8
+            new = cap * self.c.layers * 16 * self.c.kv_width * 2 * self.kv_esize()
             self.release_kv(old)
             try:
                 self.reserve_kv(new, f"the paged pool ({cap} blocks)")
                 try:
-                    pool = BlockPool(cap, self.c.layers, self.c.kv_width)
+                    pool = self.new_pool(cap)
                 except BaseException:
                     self.release_kv(new)
                     raise
@@ -390,17 +404,30 @@ cdef class DenseModel(WeightStore):
         """The shared BlockPool (for inspection; hold no reference across calls)."""
         return self._paged_state().pool
 
+    cdef size_t kv_esize(self):
+        return 2 if self.c.kv_f16 else 4
+
+    cdef object new_pool(self, cap):
+        return BlockPool(cap, self.c.layers, self.c.kv_width,
+                         dtype=np.float16 if self.c.kv_f16 else np.float32)
+
     def __repr__(self):
         c = self.config
         return (f"{type(self).__name__}({c.model_type}, layers={c.layers}, hidden={c.hidden}, "
                 f"precision={self.precision_!r}, act_precision={self.act_precision!r}, "
                 + (f"prefill_precision={self.prefill_precision_!r}, " if self.c.prefill_bf16 else "")
+                + (f"kv_precision={self.kv_precision_!r}, " if self.c.kv_f16 else "")
                 + f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
 
 
 def check_prefill_precision(value):
     if value not in ("exact", "bf16"):
         raise ValueError(f"prefill_precision must be exact or bf16, got {value!r}")
+
+
+def check_kv_precision(value):
+    if value not in ("fp32", "fp16"):
+        raise ValueError(f"kv_precision must be fp32 or fp16, got {value!r}")
 
 
 def kv_budget_from_env():
@@ -430,25 +457,50 @@ cdef struct KV:
     # keys_mem (zeroed, 64-byte aligned), values (layers, capacity, kv_width).
     # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
     # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
-    float *keys
-    float *values
+    # Elements are float32, or binary16 (esize 2) when the model's
+    # kv_precision is fp16; offsets below are in elements.
+    char *keys
+    char *values
     void *keys_mem
     size_t capacity
     const size_t *blocks
-    size_t layers, kv_width
+    size_t layers, kv_width, esize
 
 
-cdef inline float *k_tile(const KV *kv, size_t l, size_t pos) noexcept nogil:
+cdef inline char *k_tile(const KV *kv, size_t l, size_t pos) noexcept nogil:
     """The key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
-        return kv.keys + (l * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.kv_width * 16
-    return kv.keys + (kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width * 16
+        return kv.keys + (l * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.kv_width * 16 * kv.esize
+    return kv.keys + (kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width * 16 * kv.esize
 
 
-cdef inline float *v_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
+cdef inline char *v_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
     if kv.blocks == NULL:
-        return kv.values + (l * kv.capacity + pos) * kv.kv_width
-    return kv.values + ((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
+        return kv.values + (l * kv.capacity + pos) * kv.kv_width * kv.esize
+    return kv.values + ((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width * kv.esize
+
+
+cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
+                           size_t l, size_t tau, size_t off, size_t hd, float *sc, size_t lds,
+                           size_t nk) noexcept nogil:
+    """Scores of nq queries against the nk <= 16 keys of the tile from
+    position tau (a multiple of 16), elements off.. of each key."""
+    if kv.esize == 2:
+        K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, tau) + off * 16, hd, sc, lds, nk)
+    else:
+        K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, tau) + off * 16, hd, sc, lds, nk)
+
+
+cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
+                             size_t l, size_t tau, size_t nk, size_t off, float *O, size_t ldo,
+                             size_t hd) noexcept nogil:
+    """O[i] = fma(P[i, k], value of position tau + k, O[i]) for the nk
+    positions from tau (in consecutive cache rows), keys in order, elements
+    off.. of each value: axpy_tile's chain (plain axpy calls' bits)."""
+    if kv.esize == 2:
+        K.axpy_tile_h(P, ldp, nq, <const uint16_t*>v_row(kv, l, tau) + off, kv.kv_width, nk, O, ldo, hd)
+    else:
+        K.axpy_tile(P, ldp, nq, <const float*>v_row(kv, l, tau) + off, kv.kv_width, nk, O, ldo, hd)
 
 
 DEF QTILE = 4  # queries of one sequence attended together (one 4 x 4 score tile)
@@ -529,6 +581,7 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     cdef float *tmp
     cdef float *tile
     cdef float angle
+    cdef const cism_kernels *K = kernel_table()
     if m.qwen3:
         # per-head RMS norms of q and k before rotation
         for h in range(m.heads):
@@ -548,7 +601,11 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
         s = tmp + half
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
-    tile = k_tile(kv, l, pos) + (pos & 15)
+    if kv.esize == 2:
+        K.to_f16(k, m.kv_width, <uint16_t*>k_tile(kv, l, pos) + (pos & 15), 16)
+        K.to_f16(w.v + g * m.kv_width, m.kv_width, <uint16_t*>v_row(kv, l, pos), 1)
+        return
+    tile = <float*>k_tile(kv, l, pos) + (pos & 15)
     for j in range(m.kv_width):
         tile[j * 16] = k[j]
     memcpy(v_row(kv, l, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
@@ -578,16 +635,16 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
     for tau in range(0, span, 16):
-        K.scores16(q, QW, nq, k_tile(kv, l, tau) + kvh * hd * 16, hd, sc + tau, span, min(span - tau, 16))
+        kv_scores(K, kv, q, QW, nq, l, tau, kvh * hd, hd, sc + tau, span, min(span - tau, 16))
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
     tau = 0
     while tau <= p0:
         run = key_run(kv, tau, p0 + 1)
-        K.axpy_tile(sc + tau, span, nq, v_row(kv, l, tau) + kvh * hd, KW, run, out, QW, hd)
+        kv_weighted(K, kv, sc + tau, span, nq, l, tau, run, kvh * hd, out, QW, hd)
         tau += run
     for i in range(1, nq):
         for tau in range(p0 + 1, p0 + i + 1):
-            K.axpy(sc[i * span + tau], v_row(kv, l, tau) + kvh * hd, out + i * QW, hd)
+            kv_weighted(K, kv, sc + i * span + tau, span, 1, l, tau, 1, kvh * hd, out + i * QW, QW, hd)
 
 
 cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t kvh,
@@ -610,13 +667,13 @@ cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         q = w.q + g * m.q_width + h0 * hd
         out = w.att + g * m.q_width + h0 * hd
         for tau in range(0, span, 16):
-            K.scores16(q, hd, nh, k_tile(kv, l, tau) + kvh * hd * 16, hd, sc + tau, span, min(span - tau, 16))
+            kv_scores(K, kv, q, hd, nh, l, tau, kvh * hd, hd, sc + tau, span, min(span - tau, 16))
         for j in range(nh):
             tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
         tau = 0
         while tau < span:
             run = key_run(kv, tau, span)
-            K.axpy_tile(sc + tau, span, nh, v_row(kv, l, tau) + kvh * hd, KW, run, out, hd, hd)
+            kv_weighted(K, kv, sc + tau, span, nh, l, tau, run, kvh * hd, out, hd, hd)
             tau += run
 
 
@@ -752,15 +809,16 @@ cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
     kv.capacity = capacity
     kv.layers = m.layers
     kv.kv_width = m.kv_width
+    kv.esize = 2 if m.kv_f16 else 4
     kv.blocks = NULL
     if kv.keys_mem == NULL:
         # zeroed (calloc: lazily, page by page), so the lanes of the last
         # tile past the written positions hold zeros, never stray bits
-        kv.keys_mem = calloc(nk * sizeof(float) + 64, 1)
-        kv.values = <float*>malloc(n * sizeof(float) + 64)
+        kv.keys_mem = calloc(nk * kv.esize + 64, 1)
+        kv.values = <char*>malloc(n * kv.esize + 64)
         if kv.keys_mem == NULL or kv.values == NULL:
             return NOMEM
-        kv.keys = <float*>((<size_t>kv.keys_mem + 63) // 64 * 64)
+        kv.keys = <char*>((<size_t>kv.keys_mem + 63) // 64 * 64)
     return OK
 
 
@@ -813,7 +871,7 @@ cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64
 
 cdef size_t kv_cache_bytes(const ModelC *m, size_t capacity) noexcept:
     # values by position, keys by whole tiles of 16
-    return sizeof(float) * m.layers * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
+    return (2 if m.kv_f16 else 4) * m.layers * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
 
 
 cdef object check_kv(const ModelC *m, size_t capacity, size_t sequences=1):
@@ -919,10 +977,10 @@ class PagedState:
             self.orphans.append(req)
 
 
-def paged_cap(layers, kv_width, wanted):
+def paged_cap(layers, kv_width, wanted, esize=4):
     """Clamp a pool size to [1, 2^20] blocks and to the 8 GiB KV limit."""
     cap = min(max(wanted, 1), PAGED_MAX_BLOCKS)
-    per_block = layers * 16 * kv_width * 4 * 2
+    per_block = layers * 16 * kv_width * esize * 2
     return max(1, min(cap, MAX_KV_BYTES // per_block))
 
 
@@ -1078,11 +1136,12 @@ cdef class PagedSession(SessionState):
                 self.blocks[i] = blocks[i]
             kp = pool.k_pages
             vp = pool.v_pages
-            self.kv.keys = <float*>cnp.PyArray_DATA(kp)
-            self.kv.values = <float*>cnp.PyArray_DATA(vp)
+            self.kv.keys = <char*>cnp.PyArray_DATA(kp)
+            self.kv.values = <char*>cnp.PyArray_DATA(vp)
             self.kv.blocks = self.blocks
             self.kv.layers = self.m.layers
             self.kv.kv_width = self.m.kv_width
+            self.kv.esize = 2 if self.m.kv_f16 else 4
             self.kv.capacity = self.s.capacity
             with nogil:
                 rc = seq_run(self.m, &self.w, &self.s, &self.kv, <const int64_t*>cnp.PyArray_DATA(run),

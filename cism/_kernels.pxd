@@ -63,6 +63,12 @@ cdef extern from "kernels.h" nogil:
                                        size_t n) noexcept nogil
     ctypedef void (*cism_scores16_fn)(const float *Q, size_t ldq, size_t nq, const float *Kt,
                                       size_t hd, float *S, size_t lds, size_t nk) noexcept nogil
+    ctypedef void (*cism_scores16_h_fn)(const float *Q, size_t ldq, size_t nq, const uint16_t *Kt,
+                                        size_t hd, float *S, size_t lds, size_t nk) noexcept nogil
+    ctypedef void (*cism_axpy_tile_h_fn)(const float *P, size_t ldp, size_t nq, const uint16_t *V,
+                                         size_t ldv, size_t nk, float *O, size_t ldo,
+                                         size_t n) noexcept nogil
+    ctypedef void (*cism_to_f16_fn)(const float *x, size_t n, uint16_t *out, size_t stride) noexcept nogil
     ctypedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales) noexcept nogil
     ctypedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out, size_t stride) noexcept nogil
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
@@ -79,6 +85,9 @@ cdef extern from "kernels.h" nogil:
         cism_axpy_fn axpy
         cism_axpy_tile_fn axpy_tile
         cism_scores16_fn scores16
+        cism_scores16_h_fn scores16_h
+        cism_axpy_tile_h_fn axpy_tile_h
+        cism_to_f16_fn to_f16
         cism_quant8_fn quant8
         cism_unary_fn exp
         cism_unary_fn sigmoid

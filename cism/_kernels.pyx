@@ -12,7 +12,7 @@ from libc.stdint cimport int8_t
 cnp.import_array()
 
 from cython.parallel cimport prange
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
 cdef extern from "memscan.h" nogil:
     uint64_t cism_scan_regions(const size_t *addr, const size_t *size, size_t count,
@@ -162,17 +162,24 @@ def axpy(float alpha, x, y):
 def axpy_tile(P, V, O):
     """Return O + P @ V computed as attention does: for each query row q and
     key k in order, O[q] = fma(P[q, k], V[k], O[q]) element by element (the
-    table's tiled kernel; bit-identical to the same axpy calls)."""
+    table's tiled kernel; bit-identical to the same axpy calls). A float16 V
+    goes to the binary16 kernel (axpy_tile_h: the values widened)."""
+    half = isinstance(V, np.ndarray) and V.dtype == np.float16
     cdef cnp.ndarray p = np.ascontiguousarray(P, dtype=np.float32)
-    cdef cnp.ndarray v = np.ascontiguousarray(V, dtype=np.float32)
+    cdef cnp.ndarray v = np.ascontiguousarray(V, dtype=np.float16 if half else np.float32)
     cdef cnp.ndarray out = np.array(O, dtype=np.float32, order="C", copy=True)
     if p.ndim != 2 or v.ndim != 2 or out.ndim != 2:
         raise ValueError("P, V and O must be 2-D")
     if p.shape[1] != v.shape[0] or out.shape[0] != p.shape[0] or out.shape[1] != v.shape[1]:
         raise ValueError(f"shapes do not chain: P {np.shape(p)}, V {np.shape(v)}, O {np.shape(out)}")
-    cism_table().axpy_tile(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
-                           <const float*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
-                           <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
+    if half:
+        cism_table().axpy_tile_h(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
+                                 <const uint16_t*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
+                                 <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
+    else:
+        cism_table().axpy_tile(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
+                               <const float*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
+                               <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
     return out
 
 
@@ -180,18 +187,36 @@ def scores16(Q, Kt, nk=16):
     """Attention scores of queries Q (nq, hd) against a key tile Kt (hd, 16):
     the table's kernel (keys in lanes), (nq, 16) canonical dots, each the
     bits of the fp32 gemm with key j = Kt[:, j] as a matrix row; columns
-    from nk on stay zero (the kernel stores keys j < nk only)."""
+    from nk on stay zero (the kernel stores keys j < nk only). A float16 Kt
+    goes to the binary16 kernel (scores16_h: the keys widened)."""
+    half = isinstance(Kt, np.ndarray) and Kt.dtype == np.float16
     cdef cnp.ndarray q = np.ascontiguousarray(Q, dtype=np.float32)
-    cdef cnp.ndarray kt = np.ascontiguousarray(Kt, dtype=np.float32)
+    cdef cnp.ndarray kt = np.ascontiguousarray(Kt, dtype=np.float16 if half else np.float32)
     if q.ndim != 2 or kt.ndim != 2 or kt.shape[1] != 16 or kt.shape[0] != q.shape[1]:
         raise ValueError(f"Q must be (nq, hd) and Kt (hd, 16): got {np.shape(q)} and {np.shape(kt)}")
     if not 1 <= nk <= 16:
         raise ValueError(f"nk must be in [1, 16]: got {nk}")
     cdef cnp.ndarray out = np.zeros((q.shape[0], 16), np.float32)
-    cism_table().scores16(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
-                          <const float*>cnp.PyArray_DATA(kt), q.shape[1],
-                          <float*>cnp.PyArray_DATA(out), 16, nk)
+    if half:
+        cism_table().scores16_h(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
+                                <const uint16_t*>cnp.PyArray_DATA(kt), q.shape[1],
+                                <float*>cnp.PyArray_DATA(out), 16, nk)
+    else:
+        cism_table().scores16(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
+                              <const float*>cnp.PyArray_DATA(kt), q.shape[1],
+                              <float*>cnp.PyArray_DATA(out), 16, nk)
     return out
+
+
+def to_f16(x, stride=1):
+    """x (float32) rounded to binary16 by the table's kernel (the KV caches'
+    fp16 stores), written every stride elements of a zeroed float16 array."""
+    cdef cnp.ndarray a = _f32(x, "x")
+    if not 1 <= stride <= 64:
+        raise ValueError(f"stride must be in [1, 64]: got {stride}")
+    cdef cnp.ndarray out = np.zeros(max(a.shape[0] * stride, 1), np.float16)
+    cism_table().to_f16(<const float*>cnp.PyArray_DATA(a), a.shape[0], <uint16_t*>cnp.PyArray_DATA(out), stride)
+    return out[: a.shape[0] * stride]
 
 
 def quantize(x):

@@ -131,6 +131,7 @@ cdef class WeightStore:
         self.source = None
         self.code_version = "cism-1"
         self.prefill_precision_ = "exact"
+        self.kv_precision_ = "fp32"
 
     cdef void apply_act_precision(self):
         pass
@@ -160,6 +161,8 @@ cdef class WeightStore:
         if self.prefill_precision_ != "exact":
             # (exact models keep the keys they always had)
             parts.append("prefill=" + self.prefill_precision_)
+        if self.kv_precision_ != "fp32":
+            parts.append("kv=" + self.kv_precision_)
         self.compile_key_ = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
     @property

@@ -45,8 +45,15 @@ def load_model(args):
     import warnings
 
     import cism
+    options = {}
+    if args.kv_precision != "fp32":
+        from cism.loaders import read_config
+        kind = read_config(model_path(args)).get("model_type")
+        if cism.FAMILIES.get(kind) != "cism.dense":
+            raise CliError(f"--kv-precision {args.kv_precision} is for dense models, not {kind}")
+        options["kv_precision"] = args.kv_precision
     model = cism.load(model_path(args), precision=args.precision, threads=args.threads,
-                      act_precision=args.act_precision)
+                      act_precision=args.act_precision, **options)
     if args.prefill_precision != "exact":
         if not hasattr(model, "set_prefill_precision"):
             raise CliError(f"--prefill-precision {args.prefill_precision} is for dense models, "
@@ -65,6 +72,8 @@ def add_model_args(p, required=False):
     p.add_argument("--act-precision", default="fp32", choices=["fp32", "int8"])
     p.add_argument("--prefill-precision", default="exact", choices=["exact", "bf16"],
                    help="bf16: prompt tokens on the AMX tile unit (faster, not bit-exact; dense models)")
+    p.add_argument("--kv-precision", default="fp32", choices=["fp32", "fp16"],
+                   help="fp16: KV caches in binary16 (half the memory, faster long contexts; dense models)")
     p.add_argument("--threads", type=int, default=None, help="default: physical cores")
 
 
@@ -205,6 +214,7 @@ def cmd_perplexity(args):
     report = {"model": model_path(args), "precision": model.precision,
               "act_precision": model.act_precision,
               "prefill_precision": getattr(model, "prefill_precision", "exact"),
+              "kv_precision": getattr(model, "kv_precision", "fp32"),
               "ctx": args.ctx, "chunks": n_chunks,
               "tokens_scored": int(len(nll)), "ppl": ppl, "ppl_error": ppl * sem,
               "mean_nll": mean}

@@ -149,12 +149,13 @@ class Model(GenerationMixin, DenseModel):
 
     @classmethod
     def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32",
-                        prefill_precision="exact"):
+                        prefill_precision="exact", kv_precision="fp32"):
         """Load an HF directory (config.json + safetensors), a GGUF file or a
         llama2.c .bin checkpoint."""
         from cism.loaders import build_pretrained
-        from cism._dense import check_prefill_precision
+        from cism._dense import check_kv_precision, check_prefill_precision
         check_prefill_precision(prefill_precision)   # before the checkpoint is read
-        model = build_pretrained(cls, path, precision, threads, act_precision)
+        check_kv_precision(kv_precision)
+        model = build_pretrained(cls, path, precision, threads, act_precision, kv_precision=kv_precision)
         model.set_prefill_precision(prefill_precision)
         return model

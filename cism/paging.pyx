@@ -27,12 +27,13 @@ cnp.import_array()
 BLOCK_SIZE = 16
 
 
-def _key_pages(blocks, layers, kv_width):
+def _key_pages(blocks, layers, kv_width, dtype):
     """Zeroed key pages: (blocks, layers, 16, kv_width) as a view of 64-byte
     aligned (blocks, layers, kv_width, 16) memory."""
     n = blocks * layers * kv_width * BLOCK_SIZE
-    buf = np.zeros(n + 16, np.float32)
-    skip = (-buf.ctypes.data // 4) % 16
+    size = np.dtype(dtype).itemsize
+    buf = np.zeros(n + 64 // size, dtype)
+    skip = (-buf.ctypes.data // size) % (64 // size)
     return buf[skip: skip + n].reshape(blocks, layers, kv_width, BLOCK_SIZE).transpose(0, 1, 3, 2)
 
 
@@ -62,8 +63,9 @@ cdef class BlockPool:
     cdef dict seq
     cdef unsigned long long seq_ctr
     cdef object k_pages_, v_pages_
+    cdef readonly object dtype
 
-    def __init__(self, num_blocks, num_layers, kv_width, block_size=BLOCK_SIZE):
+    def __init__(self, num_blocks, num_layers, kv_width, block_size=BLOCK_SIZE, dtype=np.float32):
         num_blocks = _count(num_blocks, "num_blocks")
         num_layers = _count(num_layers, "num_layers")
         kv_width = _count(kv_width, "kv_width")
@@ -78,6 +80,13 @@ cdef class BlockPool:
             raise ValueError(f"BlockPool block_size must be positive (at most 1024): got {block_size}")
         if block_size != BLOCK_SIZE:
             raise ValueError(f"BlockPool block_size must be 16, got {block_size}")
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in (np.float32, np.float16):
+            raise ValueError("BlockPool dtype must be float32 or float16 (the model's kv_precision)")
+        self.dtype = dtype
         self.num_layers = num_layers
         self.kv_width = kv_width
         self.block_size = block_size
@@ -85,8 +94,8 @@ cdef class BlockPool:
         self._check_bytes(num_blocks)
         shape = (num_blocks, num_layers, block_size, kv_width)
         try:
-            self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width)
-            self.v_pages_ = np.zeros(shape, np.float32)
+            self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width, dtype)
+            self.v_pages_ = np.zeros(shape, dtype)
         except MemoryError:
             raise MemoryError(f"cannot allocate a KV pool of {num_blocks} blocks") from None
         self.num_blocks = num_blocks
@@ -98,10 +107,10 @@ cdef class BlockPool:
         self.seq_ctr = 0
 
     def _check_bytes(self, blocks):
-        nbytes = blocks * self.num_layers * self.block_size * self.kv_width * 4 * 2
+        nbytes = blocks * self.num_layers * self.block_size * self.kv_width * self.dtype.itemsize * 2
         if nbytes > MAX_KV_BYTES:
             raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({blocks} blocks "
-                             f"of {self.num_layers} layers x {self.kv_width} floats)")
+                             f"of {self.num_layers} layers x {self.kv_width} {self.dtype} values)")
 
     # ---- sizes ----
 
@@ -131,7 +140,7 @@ cdef class BlockPool:
         return self.num_blocks * self.num_layers * self.block_size * self.kv_width
 
     def kv_bytes(self):
-        return self.kv_elements() * 4 * 2
+        return self.kv_elements() * self.dtype.itemsize * 2
 
     # ---- allocation ----
 
@@ -296,8 +305,8 @@ cdef class BlockPool:
         total = self.num_blocks + extra_blocks
         self._check_bytes(total)
         shape = (total, self.num_layers, self.block_size, self.kv_width)
-        k = _key_pages(total, self.num_layers, self.kv_width)
-        v = np.zeros(shape, np.float32)
+        k = _key_pages(total, self.num_layers, self.kv_width, self.dtype)
+        v = np.zeros(shape, self.dtype)
         k[: self.num_blocks] = self.k_pages_
         v[: self.num_blocks] = self.v_pages_
         self.k_pages_, self.v_pages_ = k, v
@@ -326,8 +335,8 @@ cdef class BlockPool:
 
     @property
     def k_pages(self):
-        """The key pages, (num_blocks, num_layers, block_size, kv_width) float32
-        (a view of memory that keeps each page's keys transposed)."""
+        """The key pages, (num_blocks, num_layers, block_size, kv_width) of the
+        pool's dtype (a view of memory that keeps each page's keys transposed)."""
         return self.k_pages_
 
     @property

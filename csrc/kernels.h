@@ -90,6 +90,15 @@ typedef void (*cism_axpy_tile_fn)(const float *P, size_t ldp, size_t nq, const f
  * and never store them). */
 typedef void (*cism_scores16_fn)(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd,
                                  float *S, size_t lds, size_t nk);
+/* The same over binary16 caches (kv_precision "fp16": keys and values are
+ * rounded to binary16 when stored): each element is widened exactly, so the
+ * results are scores16's and axpy_tile's over the widened values. */
+typedef void (*cism_scores16_h_fn)(const float *Q, size_t ldq, size_t nq, const uint16_t *Kt, size_t hd,
+                                   float *S, size_t lds, size_t nk);
+typedef void (*cism_axpy_tile_h_fn)(const float *P, size_t ldp, size_t nq, const uint16_t *V, size_t ldv,
+                                    size_t nk, float *O, size_t ldo, size_t n);
+/* out[i * stride] = binary16 of x[i], i < n: cism_f32_to_fp16 (nearest even). */
+typedef void (*cism_to_f16_fn)(const float *x, size_t n, uint16_t *out, size_t stride);
 /* Quantize n floats: writes cism_act_len(n) codes and cism_act_len(n)/32
  * scales, zero beyond n (so kernels may read whole vectors). */
 typedef void (*cism_quant8_fn)(const float *x, size_t n, int8_t *q, float *scales);
@@ -121,6 +130,9 @@ typedef struct cism_kernels {
     cism_axpy_fn axpy;
     cism_axpy_tile_fn axpy_tile;
     cism_scores16_fn scores16;
+    cism_scores16_h_fn scores16_h;
+    cism_axpy_tile_h_fn axpy_tile_h;
+    cism_to_f16_fn to_f16;
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;

@@ -24,6 +24,7 @@ def small_config(model_type="llama", **kw):
     return Config(**base)
 
 
-def small_model(model_type="llama", precision="fp32", threads=2, seed=0, **kw):
+def small_model(model_type="llama", precision="fp32", threads=2, seed=0, kv_precision="fp32", **kw):
     config = small_config(model_type, **kw)
-    return Model(config, dense_weights(config, seed), precision=precision, threads=threads)
+    return Model(config, dense_weights(config, seed), precision=precision, threads=threads,
+                 kv_precision=kv_precision)

@@ -14,10 +14,10 @@ def prompts_of(n, seed=0, vocab=97):
     return [list(rng.integers(0, vocab, int(rng.integers(1, 40)))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("int8", "fp16"), ("hybrid-int4", "fp16")])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_batch_equals_solo(precision, temperature):
-    model = small_model("qwen3", precision, seed=31)
+def test_batch_equals_solo(precision, kv, temperature):
+    model = small_model("qwen3", precision, seed=31, kv_precision=kv)
     prompts = prompts_of(7, seed=1)
     solo = [model.create_session(p, 24, temperature=temperature, top_k=50, seed=100 + i)
             for i, p in enumerate(prompts)]

@@ -82,16 +82,18 @@ def test_thread_count_does_not_change_logits(precision):
         assert np.array_equal(Model(config, w, precision, threads=threads).logits(prompt), base)
 
 
-@pytest.mark.parametrize("precision,heads,kv_heads", [("fp32", 4, 2), ("int8", 4, 2), ("hybrid-fp4", 4, 2),
-                                                      ("fp32", 4, 4), ("fp32", 6, 2), ("int8", 12, 2)])
-def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads):
+@pytest.mark.parametrize("precision,heads,kv_heads,kv", [
+    ("fp32", 4, 2, "fp32"), ("int8", 4, 2, "fp32"), ("hybrid-fp4", 4, 2, "fp32"), ("fp32", 4, 4, "fp32"),
+    ("fp32", 6, 2, "fp32"), ("int8", 12, 2, "fp32"), ("int8", 4, 2, "fp16"), ("fp32", 12, 2, "fp16")])
+def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads, kv):
     """Logits after each single-token decode step equal, bit for bit, the
     logits of prefilling the same tokens as one blocked prompt (chunks of 256,
     whose boundary the sequence crosses). Decode attends with the heads of
     a KV group as one tile (up to 4 at a time; at one thread, or with two
     groups per thread), prefill head by head: group sizes 1, 2, 3 and 6."""
     for threads in (1, 2):
-        model = small_model("llama", precision, threads=threads, context=1024, heads=heads, kv_heads=kv_heads)
+        model = small_model("llama", precision, threads=threads, context=1024, heads=heads, kv_heads=kv_heads,
+                            kv_precision=kv)
         prompt = list(np.random.default_rng(2).integers(0, 97, 250))
         s = model.create_session(prompt, 12)
         assert s.last_logits is None
@@ -104,9 +106,9 @@ def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads):
             assert np.array_equal(s.last_logits, model.logits(prompt + generated)), threads
         assert len(generated) == 12
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_speculative_equals_greedy(precision):
-    model = small_model("llama", precision, seed=3)
+@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("int8", "fp16")])
+def test_speculative_equals_greedy(precision, kv):
+    model = small_model("llama", precision, seed=3, kv_precision=kv)
     rng = np.random.default_rng(4)
     base = list(rng.integers(0, 97, 12))
     prompt = base + base + base[:5]  # repetitive: the drafter finds matches
@@ -383,3 +385,82 @@ def test_model_properties_and_memory_controls():
     m.unlock_pages()
     with pytest.raises(ValueError, match="not locked"):
         m.unlock_pages()
+
+
+# ------------------------------------------------------- fp16 KV caches ---
+
+def test_fp16_kv_follows_the_rounded_reference():
+    """kv_precision "fp16" stores keys and values rounded to binary16: the
+    logits follow the NumPy reference that rounds its cache the same way
+    (to within one binary16 rounding of keys that land on the other side
+    of a tie) and stand clearly apart from the unrounded reference."""
+    from reference import dense as ref
+    c = small_config(context=512)
+    w = dense_weights(c, seed=5, scale=1.0)
+    toks = list(np.random.default_rng(0).integers(0, 97, 200))
+    got = Model(c, w, "fp32", kv_precision="fp16").logits_all(toks)
+    hf = c.to_hf()
+
+    def rel(a, b):
+        return np.abs(a - b).max() / np.abs(b).max()
+    near, far = rel(got, ref.logits(hf, w, toks, kv_round=np.float16)), rel(got, ref.logits(hf, w, toks))
+    assert near < 5e-4 and far > 10 * near, (near, far)
+
+
+def test_fp16_kv_halves_the_caches_and_is_part_of_the_model_key():
+    c = small_config(context=512)
+    w = dense_weights(c)
+    m32, m16 = Model(c, w, "int8"), Model(c, w, "int8", kv_precision="fp16")
+    assert (m32.kv_precision, m16.kv_precision) == ("fp32", "fp16")
+    assert m32.compile_key != m16.compile_key and "kv_precision='fp16'" in repr(m16)
+    s32, s16 = m32.create_session([1, 2, 3], 61), m16.create_session([1, 2, 3], 61)
+    one = m32.kv_in_use
+    assert m16.kv_in_use * 2 == one > 0
+    # half the bytes: room for one more fp32 cache is room for two fp16 ones
+    for m in (m32, m16):
+        m.set_kv_budget(m.kv_in_use + one)
+    more = [m16.create_session([1, 2, 3], 61) for _ in range(2)] + [m32.create_session([1, 2, 3], 61)]
+    for m in (m32, m16):
+        with pytest.raises(ValueError, match="KV budget exceeded"):
+            m.create_session([1, 2, 3], 61)
+        m.set_kv_budget(None)
+    p32, p16 = m32.paged_pool(), m16.paged_pool()
+    assert p16.k_pages.dtype == p16.v_pages.dtype == np.float16 and p32.k_pages.dtype == np.float32
+    assert p16.kv_bytes() * 2 == p32.kv_bytes()
+    del s32, s16, more
+
+
+def test_kv_precision_is_checked_before_anything_is_read(tmp_path):
+    c = small_config()
+    for bad in ("bf16", "FP16", None, 16):
+        with pytest.raises(ValueError, match="kv_precision must be fp32 or fp16"):
+            Model(c, dense_weights(c), kv_precision=bad)
+        with pytest.raises(ValueError, match="kv_precision must be fp32 or fp16"):
+            Model.from_pretrained(tmp_path / "missing.gguf", kv_precision=bad)
+
+
+def test_cli_kv_precision(data_dir, tmp_path, capsys):
+    """--kv-precision fp16: perplexity close to fp32 KV and reported in the
+    JSON; a recurrent model gets one line naming the problem."""
+    import json
+
+    from cism import cli
+    stories = data_dir / "models" / "stories260K" / "stories260K.bin"
+    f = data_dir / "corpora" / "tinyshakespeare.txt"
+
+    def ppl(*extra):
+        code = cli.main(["perplexity", "--model", str(stories), "--file", str(f), "--ctx", "128",
+                         "--chunks", "3", "--json", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return json.loads(out)
+
+    full, half = ppl(), ppl("--kv-precision", "fp16")
+    assert (full["kv_precision"], half["kv_precision"]) == ("fp32", "fp16")
+    assert half["ppl"] != full["ppl"] and abs(half["ppl"] - full["ppl"]) < 0.01 * full["ppl"]
+    from test_fwkv import config, save_dir, weights
+    c = config()
+    d = save_dir(tmp_path / "fwkv", c, weights(c, 0))
+    code = cli.main(["perplexity", "--model", str(d), "--file", str(f), "--kv-precision", "fp16"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == "cism: error: --kv-precision fp16 is for dense models, not fwkv"

@@ -486,6 +486,36 @@ def test_attention_scores16_are_the_gemv_dots_on_every_isa(isa_level):
         _kernels.scores16(np.zeros((2, 8)), np.zeros((8, 16)), 0)
 
 
+def test_fp16_kv_kernels_are_the_fp32_ones_over_widened_values(isa_level):
+    """kv_precision "fp16": to_f16 rounds as NumPy's float16 cast (nearest
+    even, overflow to inf, subnormals), into strided destinations; the
+    binary16 attention kernels give exactly the fp32 kernels' bits over the
+    widened keys and values, on every level."""
+    r = rng(29)
+    x = np.concatenate([r.standard_normal(61) * 10, [65504, 65519.99, 65520, 1e5, -1e5, 6e-8, 2.9e-8, 3e-8,
+                                                       1e-5, -0.0, 0.0, 1 + 2 ** -11, 1 + 3 * 2 ** -11]]).astype(np.float32)
+    want = x.astype(np.float16)
+    for isa in ISAS:
+        isa_level(isa)
+        for stride in (1, 16):
+            got = _kernels.to_f16(x, stride)[::stride]
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (isa, stride)
+    for hd in (16, 17, 64, 80):
+        Kt = (r.standard_normal((hd, 16)) * 3).astype(np.float16)
+        Q = r.standard_normal((3, hd)).astype(np.float32)
+        P = r.standard_normal((3, 21)).astype(np.float32)
+        V = (r.standard_normal((21, hd)) * 3).astype(np.float16)
+        O = r.standard_normal((3, hd)).astype(np.float32)
+        isa_level("ref")
+        want_s = _kernels.scores16(Q, Kt.astype(np.float32))
+        want_o = _kernels.axpy_tile(P, V.astype(np.float32), O)
+        for isa in ISAS:
+            isa_level(isa)
+            assert same_bits(_kernels.scores16(Q, Kt), want_s), (isa, hd)
+            assert same_bits(_kernels.scores16(Q, Kt, 9)[:, :9], want_s[:, :9]), (isa, hd)
+            assert same_bits(_kernels.axpy_tile(P, V, O), want_o), (isa, hd)
+
+
 def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
     """axpy_tile (attention's weighted sum of values, several queries at
     once) equals the same axpy calls made one by one, bit for bit, for

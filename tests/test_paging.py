@@ -272,11 +272,33 @@ def test_pool_basics_and_errors():
         pool.priority(9)
 
 
+def test_pool_pages_are_views_of_key_tiles_in_either_dtype():
+    """The key pages keep the spec's (blocks, layers, 16, kv_width) shape as
+    a view of memory holding each page's keys transposed (kv_width, 16),
+    64-byte aligned, for attention's key tiles; float16 pools (a model's
+    kv_precision "fp16") take half the bytes and keep that through grow and
+    copies."""
+    for dtype in (np.float32, np.float16):
+        pool = BlockPool(3, 2, 8, dtype=dtype)
+        k = pool.k_pages
+        assert k.shape == (3, 2, 16, 8) and k.dtype == dtype and pool.v_pages.dtype == dtype
+        assert k.strides == (2 * 8 * 16 * k.itemsize, 8 * 16 * k.itemsize, k.itemsize, 16 * k.itemsize)
+        assert k.ctypes.data % 64 == 0
+        assert pool.kv_bytes() == pool.kv_elements() * 2 * np.dtype(dtype).itemsize
+        k[1, 0, 5, 3] = 7
+        pool.grow(2)
+        assert pool.k_pages.dtype == dtype and pool.k_pages.shape == (5, 2, 16, 8)
+        assert pool.k_pages[1, 0, 5, 3] == 7 and pool.k_pages.ctypes.data % 64 == 0
+    for bad in ("int8", np.float64, "bf16"):
+        with pytest.raises(ValueError, match="dtype must be float32 or float16"):
+            BlockPool(1, 1, 8, dtype=bad)
+
+
 # --------------------------------------------------------- paged sessions ---
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_paged_equals_dense_through_forks_evictions_and_resets(precision):
-    model = small_model("qwen3", precision, seed=21)
+@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("fp32", "fp16"), ("hybrid-fp4", "fp16")])
+def test_paged_equals_dense_through_forks_evictions_and_resets(precision, kv):
+    model = small_model("qwen3", precision, seed=21, kv_precision=kv)
     rng = np.random.default_rng(22)
     prompt = list(rng.integers(0, 97, 37))
     dense = model.create_session(prompt, 30)

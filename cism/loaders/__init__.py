@@ -52,17 +52,18 @@ def load_checkpoint(path):
         return load_llama2c(path)
 
 
-def build_pretrained(model_class, path, precision, threads, act_precision):
+def build_pretrained(model_class, path, precision, threads, act_precision, **options):
     """Load a checkpoint and build a model_class from it (every family's
-    Model.from_pretrained): the checkpoint's float32 arrays are released once
-    the packed matrices hold the weights."""
+    Model.from_pretrained; options go to the model's constructor): the
+    checkpoint's float32 arrays are released once the packed matrices hold
+    the weights."""
     path = os.fspath(path)
     with memory_for(path, "loading the checkpoint"):   # the steps between the named ones
         ckpt = load_checkpoint(path)
         config = model_class.config_class.from_hf(ckpt.config)
         with memory_for(path, f"packing the weights at {precision}"):
             model = model_class(config, ckpt.weights, precision=precision, threads=threads,
-                                act_precision=act_precision)
+                                act_precision=act_precision, **options)
         model.source = ckpt
         ckpt.weights = None  # the packed matrices hold everything now
     return model

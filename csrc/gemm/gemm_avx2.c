@@ -1032,10 +1032,18 @@ static void axpy_avx2(float a, const float *x, float *y, size_t n) {
     for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
 
+/* 8 binary16 values widened exactly; past `left` (0..7 valid) zeros. */
+ALWAYS_INLINE __m256 load8_h(const uint16_t *p, long left) {
+    if (left >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t t[8] = {0};
+    for (long i = 0; i < left; i++) t[i] = p[i];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+}
+
 /* Up to 4 queries x 32 columns per pass (16 ymm of O in registers); the
  * last partial vector goes through maskload/maskstore, whose lanes outside
- * the mask read 0 and are not written. */
-ALWAYS_INLINE void axpy_pass_avx2(const int QN, const float *P, size_t ldp, const float *V,
+ * the mask read 0 and are not written (H: binary16 values, widened). */
+ALWAYS_INLINE void axpy_pass_avx2(const int H, const int QN, const float *P, size_t ldp, const void *V,
                                   size_t ldv, size_t nk, float *O, size_t ldo, size_t c0, size_t n) {
     __m256 o[4][4];
     __m256i m[4];
@@ -1044,7 +1052,9 @@ ALWAYS_INLINE void axpy_pass_avx2(const int QN, const float *P, size_t ldp, cons
         for (int v = 0; v < 4; v++) o[q][v] = _mm256_maskload_ps(O + q * ldo + c0 + 8 * v, m[v]);
     for (size_t k = 0; k < nk; k++) {
         __m256 x[4];
-        for (int v = 0; v < 4; v++) x[v] = _mm256_maskload_ps(V + k * ldv + c0 + 8 * v, m[v]);
+        for (int v = 0; v < 4; v++)
+            x[v] = H ? load8_h((const uint16_t *)V + k * ldv + c0 + 8 * v, (long)n - (long)(c0 + 8 * v))
+                     : _mm256_maskload_ps((const float *)V + k * ldv + c0 + 8 * v, m[v]);
         for (int q = 0; q < QN; q++) {
             const __m256 a = _mm256_set1_ps(P[q * ldp + k]);
             for (int v = 0; v < 4; v++) o[q][v] = _mm256_fmadd_ps(a, x[v], o[q][v]);
@@ -1058,8 +1068,13 @@ ALWAYS_INLINE void axpy_pass_avx2(const int QN, const float *P, size_t ldp, cons
  * a time. The lane chains of the canonical dot go in pairs (l, l + 8), whose
  * sum is the tree's first level, so 8 partial sums live at once instead of
  * 16 accumulators; the rest of the tree is vertical adds. */
-static void scores16_avx2(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
-                          size_t lds, size_t nk) {
+ALWAYS_INLINE __m256 key_row8(const int H, const void *Kt, size_t e, size_t h) {
+    return H ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)Kt + 16 * e + h)))
+             : _mm256_loadu_ps((const float *)Kt + 16 * e + h);
+}
+
+ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t nq, const void *Kt, size_t hd,
+                                float *S, size_t lds, size_t nk) {
     for (size_t i = 0; i < nq; i++) {
         const float *q = Q + i * ldq;
         for (size_t h = 0; h < nk; h += 8) {
@@ -1067,9 +1082,9 @@ static void scores16_avx2(const float *Q, size_t ldq, size_t nq, const float *Kt
             for (int l = 0; l < 8; l++) {
                 __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
                 for (size_t e = (size_t)l; e < hd; e += 16)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), _mm256_loadu_ps(Kt + 16 * e + h), a);
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), key_row8(H, Kt, e, h), a);
                 for (size_t e = (size_t)l + 8; e < hd; e += 16)
-                    b = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), _mm256_loadu_ps(Kt + 16 * e + h), b);
+                    b = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), key_row8(H, Kt, e, h), b);
                 s8[l] = _mm256_add_ps(a, b);
             }
             for (int l = 0; l < 4; l++) s8[l] = _mm256_add_ps(s8[l], s8[l + 4]);
@@ -1085,20 +1100,56 @@ static void scores16_avx2(const float *Q, size_t ldq, size_t nq, const float *Kt
     }
 }
 
-static void axpy_tile_avx2(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
-                           size_t nk, float *O, size_t ldo, size_t n) {
+static void scores16_avx2(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
+                          size_t lds, size_t nk) {
+    scores16_tpl(0, Q, ldq, nq, Kt, hd, S, lds, nk);
+}
+
+static void scores16_h_avx2(const float *Q, size_t ldq, size_t nq, const uint16_t *Kt, size_t hd, float *S,
+                            size_t lds, size_t nk) {
+    scores16_tpl(1, Q, ldq, nq, Kt, hd, S, lds, nk);
+}
+
+/* n floats to binary16 (vcvtps2ph, nearest even), out[i * stride]. */
+static void to_f16_avx2(const float *x, size_t n, uint16_t *out, size_t stride) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (stride == 1) {
+            _mm_storeu_si128((__m128i *)(out + i), h);
+        } else {
+            uint16_t t[8];
+            _mm_storeu_si128((__m128i *)t, h);
+            for (size_t j = 0; j < 8; j++) out[(i + j) * stride] = t[j];
+        }
+    }
+    for (; i < n; i++) out[i * stride] = cism_f32_to_fp16(x[i]);
+}
+
+ALWAYS_INLINE void axpy_tile_tpl(const int H, const float *P, size_t ldp, size_t nq, const void *V, size_t ldv,
+                                 size_t nk, float *O, size_t ldo, size_t n) {
     for (size_t q = 0; q < nq; q += 4) {
         const float *Pq = P + q * ldp;
         float *Oq = O + q * ldo;
         for (size_t c0 = 0; c0 < n; c0 += 32) {
             switch (nq - q) {
-            case 1: axpy_pass_avx2(1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            case 2: axpy_pass_avx2(2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            case 3: axpy_pass_avx2(3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            default: axpy_pass_avx2(4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 1: axpy_pass_avx2(H, 1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 2: axpy_pass_avx2(H, 2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 3: axpy_pass_avx2(H, 3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            default: axpy_pass_avx2(H, 4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             }
         }
     }
+}
+
+static void axpy_tile_avx2(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                           size_t nk, float *O, size_t ldo, size_t n) {
+    axpy_tile_tpl(0, P, ldp, nq, V, ldv, nk, O, ldo, n);
+}
+
+static void axpy_tile_h_avx2(const float *P, size_t ldp, size_t nq, const uint16_t *V, size_t ldv,
+                             size_t nk, float *O, size_t ldo, size_t n) {
+    axpy_tile_tpl(1, P, ldp, nq, V, ldv, nk, O, ldo, n);
 }
 
 /* One 32-element block: four vectors (zero past n), their lane masks and the
@@ -1162,6 +1213,9 @@ void cism_fill_gemm_avx2(cism_kernels *k) {
     k->axpy = axpy_avx2;
     k->axpy_tile = axpy_tile_avx2;
     k->scores16 = scores16_avx2;
+    k->scores16_h = scores16_h_avx2;
+    k->axpy_tile_h = axpy_tile_h_avx2;
+    k->to_f16 = to_f16_avx2;
     k->quant8 = quant8_avx2;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx2";
 }

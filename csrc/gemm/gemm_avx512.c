@@ -1274,8 +1274,8 @@ static void axpy_avx512(float a, const float *x, float *y, size_t n) {
 
 /* Up to 4 queries x 64 columns per pass: 16 zmm of O stay in registers
  * while the keys go by in order, each value vector loaded once for all
- * queries of the pass. */
-ALWAYS_INLINE void axpy_pass_avx512(const int QN, const float *P, size_t ldp, const float *V,
+ * queries of the pass (H: binary16 values, widened exactly). */
+ALWAYS_INLINE void axpy_pass_avx512(const int H, const int QN, const float *P, size_t ldp, const void *V,
                                     size_t ldv, size_t nk, float *O, size_t ldo, size_t c0,
                                     size_t n) {
     __m512 o[4][4];
@@ -1288,7 +1288,9 @@ ALWAYS_INLINE void axpy_pass_avx512(const int QN, const float *P, size_t ldp, co
         for (int v = 0; v < 4; v++) o[q][v] = _mm512_maskz_loadu_ps(m[v], O + q * ldo + c0 + 16 * v);
     for (size_t k = 0; k < nk; k++) {
         __m512 x[4];
-        for (int v = 0; v < 4; v++) x[v] = _mm512_maskz_loadu_ps(m[v], V + k * ldv + c0 + 16 * v);
+        for (int v = 0; v < 4; v++)
+            x[v] = H ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m[v], (const uint16_t *)V + k * ldv + c0 + 16 * v))
+                     : _mm512_maskz_loadu_ps(m[v], (const float *)V + k * ldv + c0 + 16 * v);
         for (int q = 0; q < QN; q++) {
             const __m512 a = _mm512_set1_ps(P[q * ldp + k]);
             for (int v = 0; v < 4; v++) o[q][v] = _mm512_fmadd_ps(a, x[v], o[q][v]);
@@ -1298,27 +1300,42 @@ ALWAYS_INLINE void axpy_pass_avx512(const int QN, const float *P, size_t ldp, co
         for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(O + q * ldo + c0 + 16 * v, m[v], o[q][v]);
 }
 
-static void axpy_tile_avx512(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
-                             size_t nk, float *O, size_t ldo, size_t n) {
+ALWAYS_INLINE void axpy_tile_tpl(const int H, const float *P, size_t ldp, size_t nq, const void *V, size_t ldv,
+                                 size_t nk, float *O, size_t ldo, size_t n) {
     for (size_t q = 0; q < nq; q += 4) {
         const float *Pq = P + q * ldp;
         float *Oq = O + q * ldo;
         for (size_t c0 = 0; c0 < n; c0 += 64) {
             switch (nq - q) {
-            case 1: axpy_pass_avx512(1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            case 2: axpy_pass_avx512(2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            case 3: axpy_pass_avx512(3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            default: axpy_pass_avx512(4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 1: axpy_pass_avx512(H, 1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 2: axpy_pass_avx512(H, 2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 3: axpy_pass_avx512(H, 3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            default: axpy_pass_avx512(H, 4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             }
         }
     }
 }
 
+static void axpy_tile_avx512(const float *P, size_t ldp, size_t nq, const float *V, size_t ldv,
+                             size_t nk, float *O, size_t ldo, size_t n) {
+    axpy_tile_tpl(0, P, ldp, nq, V, ldv, nk, O, ldo, n);
+}
+
+static void axpy_tile_h_avx512(const float *P, size_t ldp, size_t nq, const uint16_t *V, size_t ldv,
+                               size_t nk, float *O, size_t ldo, size_t n) {
+    axpy_tile_tpl(1, P, ldp, nq, V, ldv, nk, O, ldo, n);
+}
+
 /* Scores of nq queries against a key tile (kernels.h): keys in lanes, one
  * accumulator vector per lane of the canonical dot (element e goes to
  * acc[e % 16]), the reduction tree as vertical adds. */
-static void scores16_avx512(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
-                            size_t lds, size_t nk) {
+ALWAYS_INLINE __m512 key_row16(const int H, const void *Kt, size_t e) {
+    return H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)Kt + 16 * e)))
+             : _mm512_loadu_ps((const float *)Kt + 16 * e);
+}
+
+ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t nq, const void *Kt, size_t hd,
+                                float *S, size_t lds, size_t nk) {
     const __mmask16 m = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);
     for (size_t i = 0; i < nq; i++) {
         const float *q = Q + i * ldq;
@@ -1327,12 +1344,38 @@ static void scores16_avx512(const float *Q, size_t ldq, size_t nq, const float *
         size_t e = 0;
         for (; e + 16 <= hd; e += 16)
             for (int l = 0; l < 16; l++)
-                acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), _mm512_loadu_ps(Kt + 16 * (e + l)), acc[l]);
+                acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), key_row16(H, Kt, e + l), acc[l]);
         for (int l = 0; e + l < hd; l++)
-            acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), _mm512_loadu_ps(Kt + 16 * (e + l)), acc[l]);
+            acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[e + l]), key_row16(H, Kt, e + l), acc[l]);
         for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
         for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
         _mm512_mask_storeu_ps(S + i * lds, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3])));
+    }
+}
+
+static void scores16_avx512(const float *Q, size_t ldq, size_t nq, const float *Kt, size_t hd, float *S,
+                            size_t lds, size_t nk) {
+    scores16_tpl(0, Q, ldq, nq, Kt, hd, S, lds, nk);
+}
+
+static void scores16_h_avx512(const float *Q, size_t ldq, size_t nq, const uint16_t *Kt, size_t hd, float *S,
+                              size_t lds, size_t nk) {
+    scores16_tpl(1, Q, ldq, nq, Kt, hd, S, lds, nk);
+}
+
+/* n floats to binary16 (vcvtps2ph, nearest even: cism_f32_to_fp16's bits),
+ * out[i * stride]. */
+static void to_f16_avx512(const float *x, size_t n, uint16_t *out, size_t stride) {
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (stride == 1) {
+            _mm256_mask_storeu_epi16(out + i, m, h);
+        } else {
+            uint16_t t[16];
+            _mm256_storeu_si256((__m256i *)t, h);
+            for (size_t j = 0; j < 16 && i + j < n; j++) out[(i + j) * stride] = t[j];
+        }
     }
 }
 
@@ -1381,6 +1424,9 @@ void cism_fill_gemm_avx512(cism_kernels *k) {
     k->axpy = axpy_avx512;
     k->axpy_tile = axpy_tile_avx512;
     k->scores16 = scores16_avx512;
+    k->scores16_h = scores16_h_avx512;
+    k->axpy_tile_h = axpy_tile_h_avx512;
+    k->to_f16 = to_f16_avx512;
     k->quant8 = quant8_avx512;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "avx512";
 }

@@ -116,6 +116,29 @@ static void scores16_ref(const float *Q, size_t ldq, size_t nq, const float *Kt,
         }
 }
 
+static void scores16_h_ref(const float *Q, size_t ldq, size_t nq, const uint16_t *Kt, size_t hd, float *S,
+                           size_t lds, size_t nk) {
+    for (size_t i = 0; i < nq; i++)
+        for (size_t j = 0; j < nk; j++) {
+            float acc[16] = {0};
+            for (size_t e = 0; e < hd; e++)
+                acc[e % 16] = fmaf(cism_fp16_to_f32(Kt[16 * e + j]), Q[i * ldq + e], acc[e % 16]);
+            S[i * lds + j] = cism_reduce16(acc);
+        }
+}
+
+static void axpy_tile_h_ref(const float *P, size_t ldp, size_t nq, const uint16_t *V, size_t ldv, size_t nk,
+                            float *O, size_t ldo, size_t n) {
+    for (size_t q = 0; q < nq; q++)
+        for (size_t k = 0; k < nk; k++)
+            for (size_t i = 0; i < n; i++)
+                O[q * ldo + i] = fmaf(P[q * ldp + k], cism_fp16_to_f32(V[k * ldv + i]), O[q * ldo + i]);
+}
+
+static void to_f16_ref(const float *x, size_t n, uint16_t *out, size_t stride) {
+    for (size_t i = 0; i < n; i++) out[i * stride] = cism_f32_to_fp16(x[i]);
+}
+
 static float block_absmax(const float *x, size_t start, size_t n) {
     float m = 0.0f;
     for (size_t i = start; i < start + 32 && i < n; i++) {
@@ -149,6 +172,9 @@ void cism_fill_gemm_ref(cism_kernels *k) {
     k->axpy = axpy_ref;
     k->axpy_tile = axpy_tile_ref;
     k->scores16 = scores16_ref;
+    k->scores16_h = scores16_h_ref;
+    k->axpy_tile_h = axpy_tile_h_ref;
+    k->to_f16 = to_f16_ref;
     k->quant8 = quant8_ref;
     k->name_gemm = k->name_gemm_q = k->name_dot = k->name_quant = "ref";
 }

@@ -112,9 +112,11 @@ class _Weights:
         return self._cache[name]
 
 
-def forward(config, weights, tokens, cache=None, dtype=np.float64):
+def forward(config, weights, tokens, cache=None, dtype=np.float64, kv_round=None):
     """Run ``tokens`` after the ``cache`` (a dict made and grown here; pass the same
-    dict back to continue). Returns logits (T, V) for the new tokens."""
+    dict back to continue). Returns logits (T, V) for the new tokens. ``kv_round``
+    (e.g. np.float16): keys and values are rounded to that type as they are
+    cached (after RoPE), as a KV cache of that precision holds them."""
     c = _cfg(config)
     w = weights if isinstance(weights, _Weights) else _Weights(weights, dtype)
     dtype = w._dtype
@@ -140,6 +142,8 @@ def forward(config, weights, tokens, cache=None, dtype=np.float64):
             k = _rms_norm(k, w(p + "self_attn.k_norm.weight"), c["eps"])
         # rotate q and k
         q, k = _rope(q, positions, c["theta"]), _rope(k, positions, c["theta"])
+        if kv_round is not None:
+            k, v = k.astype(kv_round).astype(dtype), v.astype(kv_round).astype(dtype)
         # append to this layer's cache
         if n in cache:
             k = np.concatenate([cache[n][0], k]); v = np.concatenate([cache[n][1], v])
@@ -166,9 +170,9 @@ def forward(config, weights, tokens, cache=None, dtype=np.float64):
     return h @ head.T
 
 
-def logits(config, weights, tokens, dtype=np.float64):
+def logits(config, weights, tokens, dtype=np.float64, kv_round=None):
     """Logits (T, vocab) at every position of ``tokens`` (causal)."""
-    return forward(config, weights, tokens, None, dtype)
+    return forward(config, weights, tokens, None, dtype, kv_round)
 
 
 def greedy(config, weights, prompt, n, dtype=np.float64):
