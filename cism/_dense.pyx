@@ -450,11 +450,12 @@ def kv_budget_from_env():
 # ----------------------------------------------------------- forward pass ---
 
 cdef struct KV:
-    # Keys sit in key tiles: the keys of 16 consecutive positions of a layer
-    # transposed, (kv_width, 16) floats with position p in lane p & 15, which
-    # is what the scores16 kernel reads (keys in lanes). Values are rows.
-    # Contiguous caches: keys (layers, capacity / 16, kv_width, 16) from
-    # keys_mem (zeroed, 64-byte aligned), values (layers, capacity, kv_width).
+    # Keys sit in key tiles: one KV head's keys of 16 consecutive positions
+    # of a layer transposed, (head_dim, 16) elements with position p in lane
+    # p & 15, which is what the scores16 kernels read (keys in lanes).
+    # Contiguous caches keep each (layer, KV head) as one stream: keys
+    # (layers, kv_heads, capacity / 16, head_dim, 16) from keys_mem (zeroed,
+    # 64-byte aligned), values (layers, kv_heads, capacity, head_dim).
     # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
     # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
     # Elements are float32, or binary16 (esize 2) when the model's
@@ -464,46 +465,56 @@ cdef struct KV:
     void *keys_mem
     size_t capacity
     const size_t *blocks
-    size_t layers, kv_width, esize
+    size_t layers, kv_width, kv_heads, head_dim, esize
 
 
-cdef inline char *k_tile(const KV *kv, size_t l, size_t pos) noexcept nogil:
-    """The key tile holding position pos (in lane pos & 15)."""
+cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
+    """KV head kvh's key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
-        return kv.keys + (l * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.kv_width * 16 * kv.esize
-    return kv.keys + (kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width * 16 * kv.esize
+        return kv.keys + ((l * kv.kv_heads + kvh) * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.head_dim * 16 * kv.esize
+    return kv.keys + ((kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
 
 
-cdef inline char *v_row(const KV *kv, size_t l, size_t pos) noexcept nogil:
+cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
+    """KV head kvh's value at position pos (head_dim elements); the next
+    position's (in the same page) starts v_stride(kv) elements on."""
     if kv.blocks == NULL:
-        return kv.values + (l * kv.capacity + pos) * kv.kv_width * kv.esize
-    return kv.values + ((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width * kv.esize
+        return kv.values + ((l * kv.kv_heads + kvh) * kv.capacity + pos) * kv.head_dim * kv.esize
+    return kv.values + ((((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
+                         + kvh * kv.head_dim) * kv.esize)
+
+
+cdef inline size_t v_stride(const KV *kv) noexcept nogil:
+    return kv.head_dim if kv.blocks == NULL else kv.kv_width
 
 
 cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
-                           size_t l, size_t tau, size_t off, size_t hd, float *sc, size_t lds,
+                           size_t l, size_t tau, size_t kvh, size_t hd, float *sc, size_t lds,
                            size_t nk) noexcept nogil:
-    """Scores of nq queries against the nk <= 16 keys of the tile from
-    position tau (a multiple of 16), elements off.. of each key."""
+    """Scores of nq queries against the nk <= 16 keys of KV head kvh's tile
+    from position tau (a multiple of 16)."""
     if kv.esize == 2:
-        K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, tau) + off * 16, hd, sc, lds, nk)
+        K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, tau), hd, sc, lds, nk)
     else:
-        K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, tau) + off * 16, hd, sc, lds, nk)
+        K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, tau), hd, sc, lds, nk)
 
 
 cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
-                             size_t l, size_t tau, size_t nk, size_t off, float *O, size_t ldo,
-                             size_t hd) noexcept nogil:
+                             size_t l, size_t tau, size_t nk, size_t kvh, size_t c0, float *O, size_t ldo,
+                             size_t n) noexcept nogil:
     """O[i] = fma(P[i, k], value of position tau + k, O[i]) for the nk
-    positions from tau (in consecutive cache rows), keys in order, elements
-    off.. of each value: axpy_tile's chain (plain axpy calls' bits)."""
+    positions from tau (in consecutive cache rows), keys in order, for n
+    elements from c0 of KV head kvh's values: axpy_tile's chain (plain axpy
+    calls' bits)."""
     if kv.esize == 2:
-        K.axpy_tile_h(P, ldp, nq, <const uint16_t*>v_row(kv, l, tau) + off, kv.kv_width, nk, O, ldo, hd)
+        K.axpy_tile_h(P, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), nk, O, ldo, n)
     else:
-        K.axpy_tile(P, ldp, nq, <const float*>v_row(kv, l, tau) + off, kv.kv_width, nk, O, ldo, hd)
+        K.axpy_tile(P, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), nk, O, ldo, n)
 
 
 DEF QTILE = 4  # queries of one sequence attended together (one 4 x 4 score tile)
+DEF SPLIT_MIN_SPAN = 256  # a lone decode token attends in phases (attend_split) from here on
+DEF SPLIT_COLS = 32       # value columns per work item of attend_split's weighted sums
 
 
 cdef struct Work:
@@ -519,6 +530,7 @@ cdef struct Work:
     float *up       # (T, inter)
     float *head_in  # (n_out, hidden) final-normed rows that need logits
     float *scores   # (threads, QTILE * score_cap) attention scores of one query tile per thread
+    float *hscores  # (heads, score_cap) every head's scores of a lone token (attend_split)
     float *rope     # (threads, head_dim) cos/sin beyond the table
     int *seq_of     # (T,) sequence of each token
     size_t *pos_of  # (T,) position of each token
@@ -555,7 +567,8 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
     if S > w.score_cap or nt > w.threads_cap:
         w.score_cap = 0
         w.threads_cap = 0
-        if grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * m.head_dim):
+        if (grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.hscores, m.heads * S)
+                or grow_f(&w.rope, nt * m.head_dim)):
             return -1
         w.score_cap = S
         w.threads_cap = nt
@@ -564,7 +577,7 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
 
 cdef void work_free(Work *w) noexcept nogil:
     free(w.x); free(w.xn); free(w.q); free(w.k); free(w.v); free(w.att); free(w.proj)
-    free(w.gate); free(w.up); free(w.head_in); free(w.scores); free(w.rope)
+    free(w.gate); free(w.up); free(w.head_in); free(w.scores); free(w.hscores); free(w.rope)
     free(w.seq_of); free(w.pos_of); free(w.out_rows); free(w.tile_of)
     scratch_free(&w.qs)
     memset(w, 0, sizeof(Work))
@@ -601,14 +614,15 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
         s = tmp + half
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
-    if kv.esize == 2:
-        K.to_f16(k, m.kv_width, <uint16_t*>k_tile(kv, l, pos) + (pos & 15), 16)
-        K.to_f16(w.v + g * m.kv_width, m.kv_width, <uint16_t*>v_row(kv, l, pos), 1)
-        return
-    tile = <float*>k_tile(kv, l, pos) + (pos & 15)
-    for j in range(m.kv_width):
-        tile[j * 16] = k[j]
-    memcpy(v_row(kv, l, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
+    for h in range(m.kv_heads):
+        if kv.esize == 2:
+            K.to_f16(k + h * hd, hd, <uint16_t*>k_tile(kv, l, h, pos) + (pos & 15), 16)
+            K.to_f16(w.v + g * m.kv_width + h * hd, hd, <uint16_t*>v_row(kv, l, h, pos), 1)
+        else:
+            tile = <float*>k_tile(kv, l, h, pos) + (pos & 15)
+            for j in range(hd):
+                tile[j * 16] = k[h * hd + j]
+            memcpy(v_row(kv, l, h, pos), w.v + g * m.kv_width + h * hd, hd * sizeof(float))
 
 
 cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
@@ -635,16 +649,16 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
     for tau in range(0, span, 16):
-        kv_scores(K, kv, q, QW, nq, l, tau, kvh * hd, hd, sc + tau, span, min(span - tau, 16))
+        kv_scores(K, kv, q, QW, nq, l, tau, kvh, hd, sc + tau, span, min(span - tau, 16))
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
     tau = 0
     while tau <= p0:
         run = key_run(kv, tau, p0 + 1)
-        kv_weighted(K, kv, sc + tau, span, nq, l, tau, run, kvh * hd, out, QW, hd)
+        kv_weighted(K, kv, sc + tau, span, nq, l, tau, run, kvh, 0, out, QW, hd)
         tau += run
     for i in range(1, nq):
         for tau in range(p0 + 1, p0 + i + 1):
-            kv_weighted(K, kv, sc + i * span + tau, span, 1, l, tau, 1, kvh * hd, out + i * QW, QW, hd)
+            kv_weighted(K, kv, sc + i * span + tau, span, 1, l, tau, 1, kvh, 0, out + i * QW, QW, hd)
 
 
 cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t kvh,
@@ -667,13 +681,65 @@ cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         q = w.q + g * m.q_width + h0 * hd
         out = w.att + g * m.q_width + h0 * hd
         for tau in range(0, span, 16):
-            kv_scores(K, kv, q, hd, nh, l, tau, kvh * hd, hd, sc + tau, span, min(span - tau, 16))
+            kv_scores(K, kv, q, hd, nh, l, tau, kvh, hd, sc + tau, span, min(span - tau, 16))
         for j in range(nh):
             tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
         tau = 0
         while tau < span:
             run = key_run(kv, tau, span)
-            kv_weighted(K, kv, sc + tau, span, nh, l, tau, run, kvh * hd, out, hd, hd)
+            kv_weighted(K, kv, sc + tau, span, nh, l, tau, run, kvh, 0, out, hd, hd)
+            tau += run
+
+
+cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv,
+                       int nt) noexcept nogil:
+    """Attention of one sequence's lone decode token (token 0) over a long
+    context, in three phases that spread evenly over the threads, each
+    reading every key and value once and each exact:
+    the scores by (KV group, run of key tiles), the group's heads as one
+    tile of queries (scores16: each key's dot whatever tiles the call
+    covers); the softmax by head (the same function, positions in order);
+    the weighted sums by (KV group, SPLIT_COLS value columns), the group's
+    heads as one tile (axpy_tile: each output element's fma chain over the
+    positions in order, whatever columns the call covers). So every head
+    gets attend()'s bits for it alone."""
+    cdef size_t hd = m.head_dim
+    cdef size_t p = w.pos_of[0], span = p + 1, tiles = (span + 15) // 16
+    cdef size_t runs = min(tiles, <size_t>(4 * nt))      # runs of key tiles per KV group
+    cdef size_t cols = (hd + SPLIT_COLS - 1) // SPLIT_COLS
+    cdef size_t r
+    for r in prange(m.kv_heads * runs, num_threads=nt, schedule='static'):
+        split_scores(m, K, w, l, kv, r // runs, tiles * (r % runs) // runs, tiles * (r % runs + 1) // runs)
+    for r in prange(m.heads, num_threads=nt, schedule='static'):
+        tile_softmax(K, w.hscores + r * span, span, 1, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd, hd)
+    for r in prange(m.kv_heads * cols, num_threads=nt, schedule='static'):
+        split_weighted(m, K, w, l, kv, r // cols, (r % cols) * SPLIT_COLS)
+
+
+cdef void split_scores(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
+                       size_t t0, size_t t1) noexcept nogil:
+    """attend_split's scores of KV group kvh's heads against key tiles t0..t1."""
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1, h0, nh, t
+    for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
+        nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
+        for t in range(t0, t1):
+            kv_scores(K, kv, w.q + h0 * hd, hd, nh, l, 16 * t, kvh, hd, w.hscores + h0 * span + 16 * t,
+                      span, min(span - 16 * t, 16))
+
+
+cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
+                         size_t c0) noexcept nogil:
+    """attend_split's weighted sums of KV group kvh's heads, value columns
+    c0..c0 + SPLIT_COLS (within the head), every position in order."""
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1
+    cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), h0, nh, tau, run
+    for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
+        nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
+        tau = 0
+        while tau < span:
+            run = key_run(kv, tau, span)
+            kv_weighted(K, kv, w.hscores + h0 * span + tau, span, nh, l, tau, run, kvh, c0,
+                        w.att + h0 * hd + c0, hd, n)
             tau += run
 
 
@@ -706,6 +772,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef int ntO = nt if n_out > 1 else 1
     cdef size_t S = 0, g, l, r, i, nq, h, per_tile, items
     cdef size_t group = m.heads // m.kv_heads
+    cdef bint split
     cdef float *sc
     cdef const Layer *L
     cdef const cism_mat *mats[3]
@@ -722,6 +789,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
     ntiles = query_tiles(w, T)
+    split = T == 1 and nt > 1 and w.pos_of[0] + 1 >= SPLIT_MIN_SPAN
     per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
     items = ntiles * per_tile
     ntH = nt if items > 1 else 1
@@ -751,23 +819,27 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # (qwen3 q/k norms,) rotate q and k, store k and v
         for g in prange(T, num_threads=ntT, schedule='static'):
             qk_rope_store(m, w, l, g, &kvs[w.seq_of[g]], w.pos_of[g], threadid())
-        # causal GQA attention, one (query tile, KV group) per work item: a
-        # lone query's heads of the group go together (attend_group), a
-        # tile of several queries head by head; with fewer than two groups
-        # per thread (one sequence, few KV heads), one (tile, head) per item
-        # instead, for balance. Later tiles attend over more positions,
-        # hence the dynamic schedule.
-        for r in prange(items, num_threads=ntH, schedule='dynamic'):
-            g = w.tile_of[r // per_tile]
-            nq = (w.tile_of[r // per_tile + 1] if r // per_tile + 1 < ntiles else T) - g
-            sc = w.scores + threadid() * QTILE * w.score_cap
-            if per_tile == m.heads:
-                attend(m, K, w, l, g, nq, r % per_tile, &kvs[w.seq_of[g]], sc)
-            elif nq == 1:
-                attend_group(m, K, w, l, g, r % per_tile, &kvs[w.seq_of[g]], sc)
-            else:
-                for h in range((r % per_tile) * group, (r % per_tile + 1) * group):
-                    attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
+        # causal GQA attention. One sequence's lone decode token over a long
+        # context: in phases over all threads (attend_split). Else one
+        # (query tile, KV group) per work item: a lone query's heads of the
+        # group go together (attend_group), a tile of several queries head
+        # by head; with fewer than two groups per thread (one sequence, few
+        # KV heads), one (tile, head) per item instead, for balance. Later
+        # tiles attend over more positions, hence the dynamic schedule.
+        if split:
+            attend_split(m, K, w, l, &kvs[w.seq_of[0]], nt)
+        else:
+            for r in prange(items, num_threads=ntH, schedule='dynamic'):
+                g = w.tile_of[r // per_tile]
+                nq = (w.tile_of[r // per_tile + 1] if r // per_tile + 1 < ntiles else T) - g
+                sc = w.scores + threadid() * QTILE * w.score_cap
+                if per_tile == m.heads:
+                    attend(m, K, w, l, g, nq, r % per_tile, &kvs[w.seq_of[g]], sc)
+                elif nq == 1:
+                    attend_group(m, K, w, l, g, r % per_tile, &kvs[w.seq_of[g]], sc)
+                else:
+                    for h in range((r % per_tile) * group, (r % per_tile + 1) * group):
+                        attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM
@@ -809,6 +881,8 @@ cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
     kv.capacity = capacity
     kv.layers = m.layers
     kv.kv_width = m.kv_width
+    kv.kv_heads = m.kv_heads
+    kv.head_dim = m.head_dim
     kv.esize = 2 if m.kv_f16 else 4
     kv.blocks = NULL
     if kv.keys_mem == NULL:
@@ -1141,6 +1215,8 @@ cdef class PagedSession(SessionState):
             self.kv.blocks = self.blocks
             self.kv.layers = self.m.layers
             self.kv.kv_width = self.m.kv_width
+            self.kv.kv_heads = self.m.kv_heads
+            self.kv.head_dim = self.m.head_dim
             self.kv.esize = 2 if self.m.kv_f16 else 4
             self.kv.capacity = self.s.capacity
             with nogil:

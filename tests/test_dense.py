@@ -82,18 +82,22 @@ def test_thread_count_does_not_change_logits(precision):
         assert np.array_equal(Model(config, w, precision, threads=threads).logits(prompt), base)
 
 
-@pytest.mark.parametrize("precision,heads,kv_heads,kv", [
-    ("fp32", 4, 2, "fp32"), ("int8", 4, 2, "fp32"), ("hybrid-fp4", 4, 2, "fp32"), ("fp32", 4, 4, "fp32"),
-    ("fp32", 6, 2, "fp32"), ("int8", 12, 2, "fp32"), ("int8", 4, 2, "fp16"), ("fp32", 12, 2, "fp16")])
-def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads, kv):
+@pytest.mark.parametrize("precision,heads,kv_heads,kv,head_dim", [
+    ("fp32", 4, 2, "fp32", 16), ("int8", 4, 2, "fp32", 16), ("hybrid-fp4", 4, 2, "fp32", 16),
+    ("fp32", 4, 4, "fp32", 16), ("fp32", 6, 2, "fp32", 16), ("int8", 12, 2, "fp32", 16),
+    ("int8", 4, 2, "fp16", 16), ("fp32", 12, 2, "fp16", 16), ("fp32", 6, 2, "fp32", 48)])
+def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads, kv, head_dim):
     """Logits after each single-token decode step equal, bit for bit, the
     logits of prefilling the same tokens as one blocked prompt (chunks of 256,
     whose boundary the sequence crosses). Decode attends with the heads of
     a KV group as one tile (up to 4 at a time; at one thread, or with two
-    groups per thread), prefill head by head: group sizes 1, 2, 3 and 6."""
+    groups per thread), from 256 positions on at two threads in phases
+    (attend_split: key tiles and value columns of 32 spread over the
+    threads), prefill head by head: group sizes 1, 2, 3 and 6, heads of 16
+    and 48 values (a whole and a partial column run)."""
     for threads in (1, 2):
         model = small_model("llama", precision, threads=threads, context=1024, heads=heads, kv_heads=kv_heads,
-                            kv_precision=kv)
+                            head_dim=head_dim, kv_precision=kv)
         prompt = list(np.random.default_rng(2).integers(0, 97, 250))
         s = model.create_session(prompt, 12)
         assert s.last_logits is None
