@@ -17,6 +17,7 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
 
 from cism import _kernels  # noqa: E402  (after the OpenMP setting: libgomp reads it on load)
 from cism._threads import default_threads as _default_threads  # noqa: E402
+from cism._oom import memory_for as _memory_for  # noqa: E402
 
 _kernels.start_threads(_default_threads())   # see start_threads: libgomp exits if it cannot
 from cism.paging import OutOfBlocks  # noqa: F401
@@ -34,8 +35,8 @@ def load(path, **kwargs):
     Model.from_pretrained."""
     import importlib
 
-    from cism.loaders import memory_for, read_config
-    with memory_for(path, "loading the checkpoint"):
+    with _memory_for(path, "loading the checkpoint"):   # the loaders' first import too
+        from cism.loaders import read_config
         config = read_config(path)
         model_type = config.get("model_type")
         if model_type not in FAMILIES:

@@ -127,3 +127,36 @@ def test_memory_for_names_what_the_os_refused():
         assert e.value is other
     with memory_for("/m/x.gguf", "loading the checkpoint"):
         pass
+
+
+IMPORT_SCRIPT = r"""
+import json, resource, sys
+import cism
+assert "cism.loaders" not in sys.modules   # cism.load imports the loaders on first use
+path, headroom = sys.argv[1], float(sys.argv[2])
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(headroom * 2**20), resource.RLIM_INFINITY))
+try:
+    cism.load(path)
+    message = "ok"
+except MemoryError as e:
+    message = str(e)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(json.dumps(message))
+"""
+
+
+def test_out_of_memory_in_the_loaders_first_import_is_named(data_dir):
+    """cism.load imports the loaders lazily: the OS refusing memory while
+    they import is named like any other step of the load."""
+    path = data_dir / "models" / "stories260K" / "stories260K.bin"
+    if not path.exists():
+        pytest.skip("stories260K is not in the shared data")
+    messages = []
+    for headroom in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4):
+        r = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT, str(path), str(headroom)],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert r.returncode == 0, (headroom, r.stderr[-2000:])
+        messages.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert all(m.startswith(f"{path}: out of memory while ") for m in messages), messages
+    assert f"{path}: out of memory while loading the checkpoint" in messages, messages

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cism._oom import memory_for  # noqa: F401  (re-exported: cism.loaders.memory_for)
+
 
 class CheckpointError(ValueError):
     """A checkpoint is unreadable, or inconsistent with its own header.
@@ -32,39 +34,6 @@ class Checkpoint:
     path: str               # the directory or file that was loaded
     format: str             # "hf" | "gguf" | "llama2c"
     tokenizer: dict | None  # {"kind": "hf_dir"|"gguf"|"llama2c", "path": ...} or None
-
-
-class memory_for:
-    """Context manager turning the OS refusing memory inside the block into a
-    MemoryError that names the file and what was being done ("loading tensor
-    'x' (n bytes)"); an inner, already-named MemoryError passes through.
-
-    The message is built on entry, while memory is still there, so naming the
-    failure needs no more than the exception object itself. Python reports
-    some failed allocations as RuntimeError ("can't allocate lock" when a file
-    object or a lock cannot get its mutex): those are out of memory too."""
-
-    __slots__ = ("path", "doing", "message")
-
-    def __init__(self, path, doing):
-        self.path, self.doing = str(path), doing
-        try:
-            self.message = f"{path}: out of memory while {doing}"
-        except MemoryError:   # built on the way out instead
-            self.message = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if kind is None:
-            return False
-        if issubclass(kind, MemoryError):
-            if str(error).startswith(self.path + ": "):
-                return False
-        elif not (issubclass(kind, RuntimeError) and str(error).startswith("can't allocate")):
-            return False
-        raise MemoryError(self.message or f"{self.path}: out of memory while {self.doing}") from None
 
 
 def file_size(path):
