@@ -891,6 +891,7 @@ cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
         kv.keys_mem = calloc(nk * kv.esize + 64, 1)
         kv.values = <char*>malloc(n * kv.esize + 64)
         if kv.keys_mem == NULL or kv.values == NULL:
+            kv_free(kv)   # all or nothing: a later call allocates afresh
             return NOMEM
         kv.keys = <char*>((<size_t>kv.keys_mem + 63) // 64 * 64)
     return OK
