@@ -294,8 +294,8 @@ cdef class DenseModel(WeightStore):
     def _paged_state(self):
         with self.lock_:
             if self.paged_state is None:
-                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks(), self.kv_esize())
-                nbytes = cap * self.c.layers * 16 * self.c.kv_width * 2 * self.kv_esize()
+                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks(), kv_elem_bytes(&self.c))
+                nbytes = cap * self.c.layers * 16 * self.c.kv_width * 2 * kv_elem_bytes(&self.c)
                 self.reserve_kv(nbytes, f"the paged pool ({cap} blocks)")
                 try:
                     self.paged_state = PagedState(self.new_pool(cap), cap)
@@ -383,9 +383,9 @@ cdef class DenseModel(WeightStore):
         max_blocks = check_count(max_blocks, "max_blocks")
         st = self._paged_state()
         with st:
-            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks, self.kv_esize())
+            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks, kv_elem_bytes(&self.c))
             old = st.pool.kv_bytes()
-            new = cap * self.c.layers * 16 * self.c.kv_width * 2 * self.kv_esize()
+            new = cap * self.c.layers * 16 * self.c.kv_width * 2 * kv_elem_bytes(&self.c)
             self.release_kv(old)
             try:
                 self.reserve_kv(new, f"the paged pool ({cap} blocks)")
@@ -403,9 +403,6 @@ cdef class DenseModel(WeightStore):
     def paged_pool(self):
         """The shared BlockPool (for inspection; hold no reference across calls)."""
         return self._paged_state().pool
-
-    cdef size_t kv_esize(self):
-        return 2 if self.c.kv_f16 else 4
 
     cdef object new_pool(self, cap):
         return BlockPool(cap, self.c.layers, self.c.kv_width,
@@ -468,6 +465,19 @@ cdef struct KV:
     size_t layers, kv_width, kv_heads, head_dim, esize
 
 
+cdef inline size_t kv_elem_bytes(const ModelC *m) noexcept nogil:
+    return 2 if m.kv_f16 else 4
+
+
+cdef inline void kv_shape(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
+    kv.capacity = capacity
+    kv.layers = m.layers
+    kv.kv_width = m.kv_width
+    kv.kv_heads = m.kv_heads
+    kv.head_dim = m.head_dim
+    kv.esize = kv_elem_bytes(m)
+
+
 cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
     """KV head kvh's key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
@@ -488,28 +498,44 @@ cdef inline size_t v_stride(const KV *kv) noexcept nogil:
     return kv.head_dim if kv.blocks == NULL else kv.kv_width
 
 
+cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
+    """How many positions from pos (< end) sit in consecutive cache rows."""
+    if kv.blocks == NULL:
+        return end - pos
+    return min(16 - (pos & 15), end - pos)
+
+
 cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
-                           size_t l, size_t tau, size_t kvh, size_t hd, float *sc, size_t lds,
-                           size_t nk) noexcept nogil:
-    """Scores of nq queries against the nk <= 16 keys of KV head kvh's tile
-    from position tau (a multiple of 16)."""
-    if kv.esize == 2:
-        K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, tau), hd, sc, lds, nk)
-    else:
-        K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, tau), hd, sc, lds, nk)
+                           size_t l, size_t kvh, size_t hd, float *sc, size_t lds, size_t span,
+                           size_t t0, size_t t1) noexcept nogil:
+    """sc[i * lds + tau] = score of query i against KV head kvh's key at
+    position tau, for the key tiles t0..t1 - 1 (positions below span)."""
+    cdef size_t t, nk
+    for t in range(t0, t1):
+        nk = min(span - 16 * t, <size_t>16)
+        if kv.esize == 2:
+            K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
+        else:
+            K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
 
 
 cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
-                             size_t l, size_t tau, size_t nk, size_t kvh, size_t c0, float *O, size_t ldo,
+                             size_t l, size_t kvh, size_t start, size_t end, size_t c0, float *O, size_t ldo,
                              size_t n) noexcept nogil:
-    """O[i] = fma(P[i, k], value of position tau + k, O[i]) for the nk
-    positions from tau (in consecutive cache rows), keys in order, for n
-    elements from c0 of KV head kvh's values: axpy_tile's chain (plain axpy
+    """O[i] = fma(P[i * ldp + tau], value at position tau, O[i]) for the
+    positions start..end - 1 in order, n elements from c0 of KV head kvh's
+    values, by runs of consecutive cache rows: axpy_tile's chain (plain axpy
     calls' bits)."""
-    if kv.esize == 2:
-        K.axpy_tile_h(P, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), nk, O, ldo, n)
-    else:
-        K.axpy_tile(P, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), nk, O, ldo, n)
+    cdef size_t tau = start, run
+    while tau < end:
+        run = key_run(kv, tau, end)
+        if kv.esize == 2:
+            K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                          O, ldo, n)
+        else:
+            K.axpy_tile(P + tau, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                        O, ldo, n)
+        tau += run
 
 
 DEF QTILE = 4  # queries of one sequence attended together (one 4 x 4 score tile)
@@ -625,13 +651,6 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
             memcpy(v_row(kv, l, h, pos), w.v + g * m.kv_width + h * hd, hd * sizeof(float))
 
 
-cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
-    """How many positions from pos (< end) sit in consecutive cache rows."""
-    if kv.blocks == NULL:
-        return end - pos
-    return min(16 - (pos & 15), end - pos)
-
-
 cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g0, size_t nq,
                  size_t h, const KV *kv, float *sc) noexcept nogil:
     """Causal attention of head h for the nq tokens g0.. of one sequence at
@@ -641,54 +660,43 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     position: its scores are canonical dots (scores16 over the key tiles:
     the fp32 gemm's bits for each key), times the scale;
     then max, exp, one sum in position order, each weight score / sum; then
-    out = fma(weight, value, out) over positions in order (axpy_tile for the
-    positions every query of the tile sees, plain axpy for the rest)."""
-    cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
-    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, tau, run, i
+    out = fma(weight, value, out) over positions in order (axpy_tile: the
+    tile for the positions every query sees, each query alone for the
+    rest)."""
+    cdef size_t hd = m.head_dim, QW = m.q_width
+    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
     cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
-    for tau in range(0, span, 16):
-        kv_scores(K, kv, q, QW, nq, l, tau, kvh, hd, sc + tau, span, min(span - tau, 16))
+    kv_scores(K, kv, q, QW, nq, l, kvh, hd, sc, span, span, 0, (span + 15) // 16)
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
-    tau = 0
-    while tau <= p0:
-        run = key_run(kv, tau, p0 + 1)
-        kv_weighted(K, kv, sc + tau, span, nq, l, tau, run, kvh, 0, out, QW, hd)
-        tau += run
+    kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, QW, hd)
     for i in range(1, nq):
-        for tau in range(p0 + 1, p0 + i + 1):
-            kv_weighted(K, kv, sc + i * span + tau, span, 1, l, tau, 1, kvh, 0, out + i * QW, QW, hd)
+        kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
 
 
 cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t kvh,
                        const KV *kv, float *sc) noexcept nogil:
     """Attention of token g alone in its tile (decode, a batch of decode
     tokens) for the heads that share KV head kvh, up to QTILE of them at a
-    time as one tile of queries over the same keys and values: the score
-    dots as one gemm of those heads' queries, the weighted sums as one
-    axpy_tile. The gemm gives each query the dots it gets alone and
-    axpy_tile each output the fma chain of plain axpy calls (csrc/kernels.h),
-    so every head gets exactly attend()'s arithmetic for it alone; the tile
-    reads each key and value once for the heads and gives the weighted sums
-    several independent chains."""
-    cdef size_t hd = m.head_dim, KW = m.kv_width, G = m.heads // m.kv_heads
-    cdef size_t p = w.pos_of[g], span = p + 1, tau, run, h0, nh, j
+    time as one tile of queries over the same keys and values: scores16
+    gives each query the dots it gets alone and axpy_tile each output the
+    fma chain of plain axpy calls (csrc/kernels.h), so every head gets
+    exactly attend()'s arithmetic for it alone; the tile reads each key and
+    value once for the heads and gives the weighted sums several
+    independent chains."""
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads
+    cdef size_t p = w.pos_of[g], span = p + 1, h0, nh, j
     cdef const float *q
     cdef float *out
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
         q = w.q + g * m.q_width + h0 * hd
         out = w.att + g * m.q_width + h0 * hd
-        for tau in range(0, span, 16):
-            kv_scores(K, kv, q, hd, nh, l, tau, kvh, hd, sc + tau, span, min(span - tau, 16))
+        kv_scores(K, kv, q, hd, nh, l, kvh, hd, sc, span, span, 0, (span + 15) // 16)
         for j in range(nh):
             tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
-        tau = 0
-        while tau < span:
-            run = key_run(kv, tau, span)
-            kv_weighted(K, kv, sc + tau, span, nh, l, tau, run, kvh, 0, out, hd, hd)
-            tau += run
+        kv_weighted(K, kv, sc, span, nh, l, kvh, 0, span, 0, out, hd, hd)
 
 
 cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv,
@@ -719,12 +727,10 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
 cdef void split_scores(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
                        size_t t0, size_t t1) noexcept nogil:
     """attend_split's scores of KV group kvh's heads against key tiles t0..t1."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1, h0, nh, t
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1, h0, nh
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        for t in range(t0, t1):
-            kv_scores(K, kv, w.q + h0 * hd, hd, nh, l, 16 * t, kvh, hd, w.hscores + h0 * span + 16 * t,
-                      span, min(span - 16 * t, 16))
+        kv_scores(K, kv, w.q + h0 * hd, hd, nh, l, kvh, hd, w.hscores + h0 * span, span, span, t0, t1)
 
 
 cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
@@ -732,15 +738,10 @@ cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t
     """attend_split's weighted sums of KV group kvh's heads, value columns
     c0..c0 + SPLIT_COLS (within the head), every position in order."""
     cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1
-    cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), h0, nh, tau, run
+    cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), h0, nh
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        tau = 0
-        while tau < span:
-            run = key_run(kv, tau, span)
-            kv_weighted(K, kv, w.hscores + h0 * span + tau, span, nh, l, tau, run, kvh, c0,
-                        w.att + h0 * hd + c0, hd, n)
-            tau += run
+        kv_weighted(K, kv, w.hscores + h0 * span, span, nh, l, kvh, 0, span, c0, w.att + h0 * hd + c0, hd, n)
 
 
 cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:
@@ -878,12 +879,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
 cdef int kv_alloc(KV *kv, const ModelC *m, size_t capacity) noexcept nogil:
     cdef size_t n = m.layers * capacity * m.kv_width
     cdef size_t nk = m.layers * ((capacity + 15) >> 4) * 16 * m.kv_width
-    kv.capacity = capacity
-    kv.layers = m.layers
-    kv.kv_width = m.kv_width
-    kv.kv_heads = m.kv_heads
-    kv.head_dim = m.head_dim
-    kv.esize = 2 if m.kv_f16 else 4
+    kv_shape(kv, m, capacity)
     kv.blocks = NULL
     if kv.keys_mem == NULL:
         # zeroed (calloc: lazily, page by page), so the lanes of the last
@@ -946,7 +942,7 @@ cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, const KV *kv, const int64
 
 cdef size_t kv_cache_bytes(const ModelC *m, size_t capacity) noexcept:
     # values by position, keys by whole tiles of 16
-    return (2 if m.kv_f16 else 4) * m.layers * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
+    return kv_elem_bytes(m) * m.layers * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
 
 
 cdef object check_kv(const ModelC *m, size_t capacity, size_t sequences=1):
@@ -1214,12 +1210,7 @@ cdef class PagedSession(SessionState):
             self.kv.keys = <char*>cnp.PyArray_DATA(kp)
             self.kv.values = <char*>cnp.PyArray_DATA(vp)
             self.kv.blocks = self.blocks
-            self.kv.layers = self.m.layers
-            self.kv.kv_width = self.m.kv_width
-            self.kv.kv_heads = self.m.kv_heads
-            self.kv.head_dim = self.m.head_dim
-            self.kv.esize = 2 if self.m.kv_f16 else 4
-            self.kv.capacity = self.s.capacity
+            kv_shape(&self.kv, self.m, self.s.capacity)
             with nogil:
                 rc = seq_run(self.m, &self.w, &self.s, &self.kv, <const int64_t*>cnp.PyArray_DATA(run),
                              run_n, NULL, &self.cancelled)
