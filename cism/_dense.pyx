@@ -43,8 +43,9 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 # bumped whenever some output changes its bits (2: the int8 x q8 block sums;
-# 3: int4 and fp4 x q8 activations, block sums too)
-CODE_VERSION = "cism-dense-3"
+# 3: int4 and fp4 x q8 activations, block sums too; 4: the attention
+# softmax's maximum and sum by 16 lanes and the canonical tree)
+CODE_VERSION = "cism-dense-4"
 MAX_SPEC_K = MAX_K
 # Rotary sin/cos are tabulated up to this many positions; later positions are
 # computed with the same formula on the fly.

@@ -138,6 +138,17 @@ def activation(str name, x, y=None):
     return out
 
 
+def softmax(x, float scale=1.0):
+    """The attention softmax of one row of scores (a new array): the
+    weights exp(x * scale - max) / sum, the maximum and the sum taken by 16
+    lanes and the canonical tree (csrc/kernels.h), the same bits on every
+    ISA level."""
+    cdef cnp.ndarray out = np.array(_f32(x, "x"), dtype=np.float32, copy=True)
+    with nogil:
+        cism_table().softmax(<float*>cnp.PyArray_DATA(out), out.shape[0], scale)
+    return out
+
+
 def dot(a, b):
     """The canonical fp32 dot product used by attention."""
     cdef cnp.ndarray x = _f32(a, "a")

@@ -75,27 +75,11 @@ cdef inline void tile_scores(const cism_kernels *K, const float *q, size_t ldq, 
 
 cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
                               float scale, float *out, size_t ldo, size_t hd) noexcept nogil:
-    """Row i of sc (positions 0..p0 + i) becomes the weights of query i:
-    times scale, minus the maximum, exp, each divided by the sum taken in
-    position order. Zeroes each query's output row (hd floats)."""
-    cdef size_t i, tau, n
-    cdef float maximum, denom
-    cdef float *row
+    """Row i of sc (positions 0..p0 + i) becomes the weights of query i
+    (K.softmax: times scale, minus the maximum, exp, each divided by the
+    sum, the maximum and the sum by 16 lanes and the canonical tree).
+    Zeroes each query's output row (hd floats)."""
+    cdef size_t i
     for i in range(nq):
-        row = sc + i * ldsc
-        n = p0 + i + 1
-        for tau in range(n):
-            row[tau] = row[tau] * scale
-        maximum = row[0]
-        for tau in range(1, n):
-            if row[tau] > maximum:
-                maximum = row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] - maximum
-        K.exp(row, row, n)
-        denom = 0
-        for tau in range(n):
-            denom = denom + row[tau]
-        for tau in range(n):
-            row[tau] = row[tau] / denom
+        K.softmax(sc + i * ldsc, p0 + i + 1, scale)
         memset(out + i * ldo, 0, hd * sizeof(float))

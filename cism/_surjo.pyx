@@ -48,8 +48,9 @@ from cism.sampling import check_seed
 cnp.import_array()
 
 # bumped whenever some output changes its bits (2: the int8 x q8 block sums;
-# 3: int4 and fp4 x q8 activations, block sums too)
-CODE_VERSION = "cism-surjo-3"
+# 3: int4 and fp4 x q8 activations, block sums too; 4: the attention
+# softmax's maximum and sum by 16 lanes and the canonical tree)
+CODE_VERSION = "cism-surjo-4"
 MAX_SPEC_K = MAX_K
 # Rotary sin/cos are tabulated up to this many positions (as in cism._dense).
 DEF ROPE_TABLE_MAX = 32768

@@ -109,6 +109,14 @@ typedef void (*cism_pack_bf16_fn)(const float *x, size_t n, uint16_t *out, size_
 typedef void (*cism_unary_fn)(const float *x, float *y, size_t n);
 /* y = f(a) * b, elementwise; y may alias a or b. */
 typedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n);
+/* One row of attention scores (n >= 0) to its softmax weights, in place:
+ * s_t = x_t * scale, m = max_t s_t, e_t = exp(s_t - m), x_t = e_t / sum.
+ * The maximum and the sum go by 16 lanes, lane i taking elements i, i + 16,
+ * ... in order (the maximum from -inf, keeping s if s > m, so NaNs are
+ * passed over; the sum from +0), then the lanes' canonical tree
+ * (cism_reduce16; for the maximum the same pairs under the same rule).
+ * Every level gives the same bits (act_ref.c is the reference). */
+typedef void (*cism_softmax_fn)(float *x, size_t n, float scale);
 
 /* amx: avx512vnni plus the tile unit (AMX-INT8 for the exact integer x q8
  * gemms, AMX-BF16 for the opt-in bf16 precision), where Linux grants it */
@@ -136,6 +144,7 @@ typedef struct cism_kernels {
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;
+    cism_softmax_fn softmax;
     /* which variant fills each family, for show_runtime(): "ref", "avx2", ... */
     const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act, *name_gemm_bf16;
 } cism_kernels;

@@ -194,6 +194,7 @@ class _Table(ctypes.Structure):
                 ("dot", _fp), ("axpy", _fp), ("axpy_tile", _fp), ("scores16", _fp),
                 ("scores16_h", _fp), ("axpy_tile_h", _fp), ("to_f16", _fp), ("quant8", _fp)]
     _fields_ += [(name, _fp) for name in FUNCS]
+    _fields_ += [("softmax", _fp)]
     _fields_ += [(name, ctypes.c_char_p) for name in
                  ("name_gemm", "name_gemm_q", "name_dot", "name_quant", "name_act", "name_gemm_bf16")]
 
@@ -357,3 +358,81 @@ def test_stated_edge_behaviour(level, isa_level):
     g = _kernels.activation("gelu", np.array([-13.134714, -13.13471, 200.0, np.inf], F32))
     assert g[0] == 0 and np.signbit(g[0]) and -1.4e-38 < g[1] < 0
     np.testing.assert_array_equal(g[2:], [200.0, np.inf])
+
+
+# ---- the attention softmax ----
+
+def softmax_oracle(x, scale):
+    """The softmax as csrc/kernels.h states it, in NumPy float32 (exp from
+    the reference level, whose bits every level shares): the maximum and
+    the sum by 16 lanes, lane i taking elements i, i + 16, ... in order,
+    then the canonical tree."""
+    s = np.asarray(x, F32) * F32(scale)
+    lanes = np.full(16, -np.inf, F32)
+    for t, v in enumerate(s):
+        if v > lanes[t % 16]:
+            lanes[t % 16] = v
+    m8 = np.where(lanes[:8] > lanes[8:], lanes[:8], lanes[8:])
+    m4 = np.where(m8[:4] > m8[4:], m8[:4], m8[4:])
+    a = m4[0] if m4[0] > m4[2] else m4[2]
+    b = m4[1] if m4[1] > m4[3] else m4[3]
+    top = a if a > b else b
+    with np.errstate(over="ignore", invalid="ignore"):  # -3e38 - 3e38 is -inf, as in C
+        e = apply("ref", "exp", (s - F32(top)).astype(F32))
+    acc = np.zeros(16, F32)
+    for t, v in enumerate(e):
+        acc[t % 16] = F32(acc[t % 16] + v)
+    s8 = acc[:8] + acc[8:]
+    s4 = s8[:4] + s8[4:]
+    total = F32(F32(s4[0] + s4[2]) + F32(s4[1] + s4[3]))
+    return (e / total).astype(F32)
+
+
+def score_rows(rng):
+    """Rows of every length 0..70 and some long ones, ordinary scores and a
+    few with ties, -inf (masked) and huge values."""
+    rows = [(rng.standard_normal(n) * 6).astype(F32) for n in list(range(71)) + [255, 256, 257, 4099]]
+    tie = np.zeros(40, F32)
+    tie[[3, 19, 35]] = 5.0
+    rows.append(tie)
+    masked = (rng.standard_normal(50) * 3).astype(F32)
+    masked[::7] = -np.inf
+    rows.append(masked)
+    rows.append(np.array([3e38, -3e38, 0.0, -0.0, 1e-45] * 5, F32))
+    return rows
+
+
+def test_softmax_reference_is_the_stated_order(isa_level):
+    isa_level("ref")
+    rng = np.random.default_rng(11)
+    for x in score_rows(rng)[:40] + score_rows(rng)[-4:]:
+        for scale in (1.0, 0.125):
+            got, want = _kernels.softmax(x, scale), softmax_oracle(x, scale)
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"n={x.size} scale={scale}")
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+def test_softmax_every_level_bitwise(level, isa_level):
+    rng = np.random.default_rng(12)
+    rows = score_rows(rng)
+    isa_level("ref")
+    want = [_kernels.softmax(x, 0.125) for x in rows]
+    isa_level(level)
+    for x, w in zip(rows, want):
+        for off in (0, 1):  # an unaligned start
+            buf = np.empty(x.size + off, F32)[off:]
+            buf[:] = x
+            got = _kernels.softmax(buf, 0.125)
+            np.testing.assert_array_equal(bits(got), bits(w), err_msg=f"{level} n={x.size} off={off}")
+
+
+def test_softmax_against_float64():
+    rng = np.random.default_rng(13)
+    for n in (1, 5, 16, 33, 700, 4096):
+        x = (rng.standard_normal(n) * 8).astype(F32)
+        got = _kernels.softmax(x, 0.125).astype(np.float64)
+        s = x.astype(np.float64) * np.float64(F32(0.125))
+        want = np.exp(s - s.max())
+        want /= want.sum()
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+        assert abs(got.sum() - 1.0) < 1e-6

@@ -13,6 +13,7 @@
 #include "../kernels.h"
 
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 /* The constants of act_ref.c (tests compare the two levels bit for bit). */
@@ -124,6 +125,74 @@ UNARY(gelu_avx2, gelu8)
 BINARY(silu_mul_avx2, silu8)         /* (a * sigmoid(a)) * b */
 BINARY(sigmoid_mul_avx2, sigmoid8)   /* sigmoid(a) * b */
 
+/* The reference's 16 lanes are two ymm, lo (elements 16c .. 16c + 7) and
+ * hi (16c + 8 .. 16c + 15); its trees are these halvings (vmaxps(a, b) =
+ * a > b ? a : b, the reference's rule). The last n % 16 elements go by
+ * masked loads and stores; lanes past the end take no part. */
+static inline float max_tree(__m256 lo, __m256 hi) {
+    const __m256 h = _mm256_max_ps(lo, hi);
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+static inline float sum_tree(__m256 lo, __m256 hi) {
+    const __m256 h = _mm256_add_ps(lo, hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+static void softmax_avx2(float *x, size_t n, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    const size_t full = n & ~(size_t)15, rem = n - full;
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i klo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem), idx);
+    const __m256i khi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem - 8), idx);
+    float *const xt = x + full;
+    __m256 mlo = ninf, mhi = ninf;
+    for (size_t i = 0; i < full; i += 16) {
+        const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), sc), b = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), sc);
+        _mm256_storeu_ps(x + i, a);
+        _mm256_storeu_ps(x + i + 8, b);
+        mlo = _mm256_max_ps(a, mlo);
+        mhi = _mm256_max_ps(b, mhi);
+    }
+    if (rem) {
+        const __m256 a = _mm256_mul_ps(_mm256_maskload_ps(xt, klo), sc);
+        const __m256 b = _mm256_mul_ps(_mm256_maskload_ps(xt + 8, khi), sc);
+        _mm256_maskstore_ps(xt, klo, a);
+        _mm256_maskstore_ps(xt + 8, khi, b);
+        mlo = _mm256_max_ps(_mm256_blendv_ps(ninf, a, _mm256_castsi256_ps(klo)), mlo);
+        mhi = _mm256_max_ps(_mm256_blendv_ps(ninf, b, _mm256_castsi256_ps(khi)), mhi);
+    }
+    const __m256 top = _mm256_set1_ps(max_tree(mlo, mhi));
+    __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
+    for (size_t i = 0; i < full; i += 16) {
+        const __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), top));
+        const __m256 b = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), top));
+        _mm256_storeu_ps(x + i, a);
+        _mm256_storeu_ps(x + i + 8, b);
+        slo = _mm256_add_ps(slo, a);
+        shi = _mm256_add_ps(shi, b);
+    }
+    if (rem) {
+        /* lanes past the end: exp of (0 - top) zeroed, so the sums keep their bits */
+        const __m256 a = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(xt, klo), top)), _mm256_castsi256_ps(klo));
+        const __m256 b = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(xt + 8, khi), top)), _mm256_castsi256_ps(khi));
+        _mm256_maskstore_ps(xt, klo, a);
+        _mm256_maskstore_ps(xt + 8, khi, b);
+        slo = _mm256_add_ps(slo, a);
+        shi = _mm256_add_ps(shi, b);
+    }
+    const __m256 sum = _mm256_set1_ps(sum_tree(slo, shi));
+    for (size_t i = 0; i < full; i += 8) _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
+    if (rem) {
+        _mm256_maskstore_ps(xt, klo, _mm256_div_ps(_mm256_maskload_ps(xt, klo), sum));
+        _mm256_maskstore_ps(xt + 8, khi, _mm256_div_ps(_mm256_maskload_ps(xt + 8, khi), sum));
+    }
+}
+
 void cism_fill_act_avx2(cism_kernels *k) {
     k->exp = exp_avx2;
     k->sigmoid = sigmoid_avx2;
@@ -131,5 +200,6 @@ void cism_fill_act_avx2(cism_kernels *k) {
     k->gelu = gelu_avx2;
     k->silu_mul = silu_mul_avx2;
     k->sigmoid_mul = sigmoid_mul_avx2;
+    k->softmax = softmax_avx2;
     k->name_act = "avx2";
 }

@@ -12,6 +12,7 @@
 #include "../kernels.h"
 
 #include <immintrin.h>
+#include <math.h>
 
 /* The constants of act_ref.c (tests compare the two levels bit for bit). */
 #define EXP_HI 88.3762626647949f
@@ -121,6 +122,54 @@ UNARY(gelu_avx512, gelu16)
 BINARY(silu_mul_avx512, silu16)         /* (a * sigmoid(a)) * b */
 BINARY(sigmoid_mul_avx512, sigmoid16)   /* sigmoid(a) * b */
 
+/* The reference's 16 lanes are one zmm: its maximum and sum trees are
+ * these halvings (vmaxps(a, b) = a > b ? a : b, the reference's rule). */
+static inline float max_tree16(__m512 m) {
+    __m256 h = _mm256_max_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps(m, 1));
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q)); /* lanes 0, 1: max(m0, m2), max(m1, m3) */
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+static inline float sum_tree16(__m512 s) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+static void softmax_avx512(float *x, size_t n, float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    const size_t full = n & ~(size_t)(W - 1);
+    const __mmask16 tail = tail_mask(n - full);
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (size_t i = 0; i < full; i += W) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), sc);
+        _mm512_storeu_ps(x + i, v);
+        m = _mm512_max_ps(v, m);
+    }
+    if (tail) {
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + full), sc);
+        _mm512_mask_storeu_ps(x + full, tail, v);
+        m = _mm512_mask_max_ps(m, tail, v, m);
+    }
+    const __m512 top = _mm512_set1_ps(max_tree16(m));
+    __m512 s = _mm512_setzero_ps();
+    for (size_t i = 0; i < full; i += W) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), top));
+        _mm512_storeu_ps(x + i, e);
+        s = _mm512_add_ps(s, e);
+    }
+    if (tail) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + full), top));
+        _mm512_mask_storeu_ps(x + full, tail, e);
+        s = _mm512_mask_add_ps(s, tail, s, e);
+    }
+    const __m512 sum = _mm512_set1_ps(sum_tree16(s));
+    for (size_t i = 0; i < full; i += W) _mm512_storeu_ps(x + i, _mm512_div_ps(_mm512_loadu_ps(x + i), sum));
+    if (tail) _mm512_mask_storeu_ps(x + full, tail, _mm512_div_ps(_mm512_maskz_loadu_ps(tail, x + full), sum));
+}
+
 void cism_fill_act_avx512(cism_kernels *k) {
     k->exp = exp_avx512;
     k->sigmoid = sigmoid_avx512;
@@ -128,5 +177,6 @@ void cism_fill_act_avx512(cism_kernels *k) {
     k->gelu = gelu_avx512;
     k->silu_mul = silu_mul_avx512;
     k->sigmoid_mul = sigmoid_mul_avx512;
+    k->softmax = softmax_avx512;
     k->name_act = "avx512";
 }

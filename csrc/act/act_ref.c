@@ -106,6 +106,32 @@ static void sigmoid_mul_ref(const float *a, const float *b, float *y, size_t n) 
     for (size_t i = 0; i < n; i++) y[i] = sigmoid1(a[i]) * b[i];
 }
 
+/* a > b ? a : b: the rule of the softmax's maximum (vmaxps's, NaN b
+ * excepted, which never arises: the lanes start at -inf and take only
+ * values that compare greater) */
+static inline float max_rule(float a, float b) { return a > b ? a : b; }
+
+static void softmax_ref(float *x, size_t n, float scale) {
+    float m[16], s[16];
+    for (int i = 0; i < 16; i++) {
+        m[i] = -INFINITY;
+        s[i] = 0.0f;
+    }
+    for (size_t t = 0; t < n; t++) {
+        x[t] = x[t] * scale;
+        m[t % 16] = max_rule(x[t], m[t % 16]);
+    }
+    for (int i = 0; i < 8; i++) m[i] = max_rule(m[i], m[i + 8]);
+    for (int i = 0; i < 4; i++) m[i] = max_rule(m[i], m[i + 4]);
+    const float top = max_rule(max_rule(m[0], m[2]), max_rule(m[1], m[3]));
+    for (size_t t = 0; t < n; t++) {
+        x[t] = exp1(x[t] - top);
+        s[t % 16] = s[t % 16] + x[t];
+    }
+    const float sum = cism_reduce16(s);
+    for (size_t t = 0; t < n; t++) x[t] = x[t] / sum;
+}
+
 void cism_fill_act_ref(cism_kernels *k) {
     k->exp = exp_ref;
     k->sigmoid = sigmoid_ref;
@@ -113,5 +139,6 @@ void cism_fill_act_ref(cism_kernels *k) {
     k->gelu = gelu_ref;
     k->silu_mul = silu_mul_ref;
     k->sigmoid_mul = sigmoid_mul_ref;
+    k->softmax = softmax_ref;
     k->name_act = "ref";
 }
