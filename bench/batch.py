@@ -2,10 +2,12 @@
 for every sequence), against batch 1 measured in the same run.
 
     python bench/batch.py [--model PATH | --shape smollm2-135m] [--precision fp32 int8]
-                          [--act fp32 int8] [--json]
+                          [--act fp32 int8] [--kv-precision fp32 fp16] [--json]
 
 --act lists activation precisions to run for each weight precision (int8
-activations reach the exact AMX int8 gemm where the CPU has one).
+activations reach the exact AMX int8 gemm where the CPU has one);
+--kv-precision the KV caches (fp16 halves the cache bytes every step reads,
+which a batch of long sequences spends much of its time on).
 """
 import argparse
 import json
@@ -40,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--shape")
     ap.add_argument("--precision", nargs="+", default=["fp32", "int8"])
     ap.add_argument("--act", nargs="+", default=["fp32"], choices=["fp32", "int8"])
+    ap.add_argument("--kv-precision", nargs="+", default=["fp32"], choices=["fp32", "fp16"],
+                    help="KV cache precisions to run (fp16: dense models)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
@@ -49,24 +53,27 @@ def main(argv=None):
     path = args.model or (None if args.shape else default_model())
     rows = []
     for precision in args.precision:
-        model = (cism.load(path, precision=precision, threads=args.threads) if path
-                 else random_model(args.shape or "smollm2-135m", precision, args.threads))
-        for act in args.act:
-            model.set_act_precision(act)
-            base = None
-            for b in args.batch:
-                r = rate(model, b, args.tokens, args.repeats)
-                base = base or r
-                rows.append({"precision": precision, "act": act, "batch": b, "tok_s": r,
-                             "speedup_vs_batch1": r / base})
+        for kv in args.kv_precision:
+            kw = {} if kv == "fp32" else {"kv_precision": kv}
+            model = (cism.load(path, precision=precision, threads=args.threads, **kw) if path
+                     else random_model(args.shape or "smollm2-135m", precision, args.threads, **kw))
+            for act in args.act:
+                model.set_act_precision(act)
+                base = None
+                for b in args.batch:
+                    r = rate(model, b, args.tokens, args.repeats)
+                    base = base or r
+                    rows.append({"precision": precision, "act": act, "kv": kv, "batch": b, "tok_s": r,
+                                 "speedup_vs_batch1": r / base})
     if args.json:
         json.dump({"model": path or args.shape, "threads": args.threads, "results": rows}, sys.stdout)
         print()
         return
     print(f"{path or args.shape}, {args.threads} threads")
-    print(f"{'precision':10} {'act':5} {'batch':>5} {'tok/s':>8} {'x batch 1':>9}")
+    print(f"{'precision':11} {'act':5} {'kv':5} {'batch':>5} {'tok/s':>8} {'x batch 1':>9}")
     for r in rows:
-        print(f"{r['precision']:10} {r['act']:5} {r['batch']:5d} {r['tok_s']:8.1f} {r['speedup_vs_batch1']:9.2f}")
+        print(f"{r['precision']:11} {r['act']:5} {r['kv']:5} {r['batch']:5d} {r['tok_s']:8.1f} "
+              f"{r['speedup_vs_batch1']:9.2f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ SHAPES = {
 }
 
 
-def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
+def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", seed=0, kv_precision="fp32"):
     from cism.dense import Config, Model, weight_shapes
     config = Config(**SHAPES[shape])
     rng = np.random.default_rng(seed)
@@ -41,7 +41,8 @@ def random_dense(shape, precision="fp32", threads=None, act_precision="fp32", se
             w = rng.standard_normal(s, dtype=np.float32)
             w *= np.float32(1.0 / np.sqrt(s[1]))
             weights[name] = w
-    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
+    return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision,
+                 kv_precision=kv_precision)
 
 
 def random_surjo(shape="surjo-50m", precision="fp32", threads=None, act_precision="fp32", seed=0):
@@ -81,12 +82,17 @@ def random_fwkv(shape, precision="fp32", threads=None, act_precision="fp32", see
     return Model(config, weights, precision=precision, threads=threads, act_precision=act_precision)
 
 
-def random_model(shape, precision="fp32", threads=None, act_precision="fp32", seed=0):
-    """A random-weight model of a known shape, whatever its family."""
+def random_model(shape, precision="fp32", threads=None, act_precision="fp32", seed=0, kv_precision="fp32"):
+    """A random-weight model of a known shape, whatever its family
+    (kv_precision "fp16": dense shapes only)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
     family = SHAPES[shape].get("model_type")
-    make = {"fwkv": random_fwkv, "surjo": random_surjo}.get(family, random_dense)
+    make = {"fwkv": random_fwkv, "surjo": random_surjo}.get(family)
+    if make is None:
+        return random_dense(shape, precision, threads, act_precision, seed, kv_precision)
+    if kv_precision != "fp32":
+        raise ValueError(f"kv_precision {kv_precision!r} is for dense shapes; {shape} is {family}")
     return make(shape, precision, threads, act_precision, seed)
 
 
