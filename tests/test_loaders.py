@@ -515,6 +515,45 @@ def test_gguf_threads_do_not_change_results(tmp_path):
     assert same_bits(one, oracle_tensors(path)["token_embd.weight"])
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1])
+def test_ggml_decode_parts_and_threads(qtype):
+    """ggml_decode splits the blocks into parts over OpenMP threads: every
+    part boundary (a part of 65536 elements, a last part of a few blocks)
+    gives the one-thread bits, which are gguf-py's."""
+    from cism import _kernels
+    rng = np.random.default_rng(9)
+    for n in (32, 65536, 65536 + 32, 3 * 65536 - 96):
+        values = rng.standard_normal((1, n)).astype(np.float32)
+        src = (values.astype(np.float16) if qtype == Q.F16 else
+               values if qtype == Q.F32 else gguf_quantize(values, qtype))
+        want = gguf_dequantize(src, qtype).astype(np.float32)
+        raw = np.ascontiguousarray(src).view(np.uint8).reshape(-1)
+        for threads in (1, 2, 3):
+            out = np.full(n, np.nan, np.float32)
+            _kernels.ggml_decode(int(qtype), raw, out, threads)
+            assert same_bits(out, want.reshape(-1)), (n, threads)
+    with pytest.raises(ValueError, match="threads"):
+        _kernels.ggml_decode(int(qtype), raw, out, 0)
+
+
+def test_gguf_loader_starts_no_python_thread(tmp_path, monkeypatch):
+    """The GGUF loader decodes with OpenMP inside the calling thread: a
+    Python worker thread that fails on its own under an exhausted address
+    space (outside any job) ends the whole process in CPython's thread
+    excepthook, which tests/test_memory.py's capped loads hit about once in
+    50 runs while the loader used a thread pool."""
+    import threading
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self)))
+    rng = np.random.default_rng(10)
+    embd = rng.standard_normal((40000, 64)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", "qwen3", gguf_meta("qwen3", heads=4, kv_heads=2),
+                      {"token_embd.weight": (embd, Q.Q4_1), "output_norm.weight": (embd[0], Q.F32)})
+    load_gguf(path, threads=2)
+    assert started == []
+
+
 def _metadata_equal(mine, reader):
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):

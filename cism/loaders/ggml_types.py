@@ -97,13 +97,14 @@ DEQUANTIZERS = {F32: _dequant_f32, F16: _dequant_f16, BF16: _dequant_bf16,
 _STEP_ELEMENTS = 1 << 17
 
 
-def dequantize_into(type_id, raw, out):
+def dequantize_into(type_id, raw, out, threads=1):
     """Decode whole blocks: ``raw`` is a uint8 array of n blocks, ``out`` a
-    contiguous float32 array of the n * block elements they hold."""
+    contiguous float32 array of the n * block elements they hold (``threads``
+    OpenMP threads: the same bits whatever the count)."""
     if type_id not in DEQUANTIZERS:
         raise KeyError(type_id)
     from cism import _kernels
-    _kernels.ggml_decode(type_id, raw, out)
+    _kernels.ggml_decode(type_id, raw, out, threads)
 
 
 def dequantize_into_reference(type_id, raw, out):

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -393,18 +392,6 @@ def hf_name(path, name):
     raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen3 models", name)
 
 
-# Tensors bigger than this are dequantised in row chunks so that all threads
-# share the embedding; smaller ones are one job each.
-_CHUNK_ELEMENTS = 1 << 21
-
-
-def _decode(info, raw, n_heads):
-    """One whole tensor (q and k: their rows must all be present to reorder)."""
-    out = np.empty(info.shape, np.float32)
-    ggml_types.dequantize_into(info.type_id, raw, out.reshape(-1))
-    return rotary_interleaved_to_halves(out, n_heads) if n_heads else out
-
-
 def load_gguf(path, threads=None):
     """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
 
@@ -449,35 +436,27 @@ def load_gguf(path, threads=None):
                 raise CheckpointError(path, f"shape {info.shape} cannot be split into {n} heads "
                                       "of rotary pairs", info.name)
 
+    # One tensor at a time in file order (sequential reads): its bytes, then
+    # its floats decoded by the OpenMP threads inside ggml_decode. No Python
+    # thread runs here: under an exhausted address space a worker thread's
+    # own failure (outside any job) ended the process in CPython's
+    # thread excepthook; every allocation and every error now stays in the
+    # calling thread, named by memory_for.
     weights = {}
-    whole = []          # (target, future) for tensors decoded in one job
-    chunks = []         # futures writing into arrays already in ``weights``
-    with open_file(path) as f, ThreadPoolExecutor(threads) as pool:
-        # Read in file order (sequential I/O) while the pool decodes what was read.
+    with open_file(path) as f:
         for info, target in sorted(plan, key=lambda p: p[0].offset):
             with memory_for(path, f"loading tensor {info.name!r} ({info.nbytes} bytes)"):
                 raw = np.empty(info.nbytes, np.uint8)
             read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
             size = math.prod(info.shape)
-            if target in heads_of or size <= _CHUNK_ELEMENTS:
-                whole.append((target, pool.submit(_decode, info, raw, heads_of.get(target))))
-                continue
             with memory_for(path, f"loading tensor {info.name!r} ({4 * size} bytes as float32)"):
                 out = np.empty(info.shape, np.float32)
+            ggml_types.dequantize_into(info.type_id, raw, out.reshape(-1), threads)
+            del raw
+            if target in heads_of:
+                with memory_for(path, f"loading tensor {info.name!r} (its rotary pairs reordered)"):
+                    out = rotary_interleaved_to_halves(out, heads_of[target])
             weights[target] = out
-            rows = info.shape[0] if len(info.shape) > 1 else 1
-            per_row, row_bytes = size // rows, info.nbytes // rows   # rows hold whole blocks
-            step = max(1, _CHUNK_ELEMENTS // per_row)
-            flat = out.reshape(-1)
-            for lo in range(0, rows, step):
-                hi = min(lo + step, rows)
-                chunks.append(pool.submit(ggml_types.dequantize_into, info.type_id,
-                                          raw[lo * row_bytes:hi * row_bytes],
-                                          flat[lo * per_row:hi * per_row]))
-        for target, job in whole:
-            weights[target] = job.result()
-        for job in chunks:
-            job.result()
     weights = {target: weights[target] for _, target in plan}   # the file's order
     return Checkpoint(config=config, weights=weights, path=path, format="gguf",
                       tokenizer=_tokenizer(path, meta))
