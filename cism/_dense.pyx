@@ -24,7 +24,8 @@ from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
-from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_softmax
+from cism._nn cimport (KV, add_into, grow_f, k_tile, kv_scores, kv_store, kv_weighted, rmsnorm, rotate,
+                      tile_softmax, v_row, v_stride)
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -447,25 +448,6 @@ def kv_budget_from_env():
 
 # ----------------------------------------------------------- forward pass ---
 
-cdef struct KV:
-    # Keys sit in key tiles: one KV head's keys of 16 consecutive positions
-    # of a layer transposed, (head_dim, 16) elements with position p in lane
-    # p & 15, which is what the scores16 kernels read (keys in lanes).
-    # Contiguous caches keep each (layer, KV head) as one stream: keys
-    # (layers, kv_heads, capacity / 16, head_dim, 16) from keys_mem (zeroed,
-    # 64-byte aligned), values (layers, kv_heads, capacity, head_dim).
-    # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
-    # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
-    # Elements are float32, or binary16 (esize 2) when the model's
-    # kv_precision is fp16; offsets below are in elements.
-    char *keys
-    char *values
-    void *keys_mem
-    size_t capacity
-    const size_t *blocks
-    size_t layers, kv_width, kv_heads, head_dim, esize
-
-
 cdef inline size_t kv_elem_bytes(const ModelC *m) noexcept nogil:
     return 2 if m.kv_f16 else 4
 
@@ -477,66 +459,6 @@ cdef inline void kv_shape(KV *kv, const ModelC *m, size_t capacity) noexcept nog
     kv.kv_heads = m.kv_heads
     kv.head_dim = m.head_dim
     kv.esize = kv_elem_bytes(m)
-
-
-cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
-    """KV head kvh's key tile holding position pos (in lane pos & 15)."""
-    if kv.blocks == NULL:
-        return kv.keys + ((l * kv.kv_heads + kvh) * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.head_dim * 16 * kv.esize
-    return kv.keys + ((kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
-
-
-cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
-    """KV head kvh's value at position pos (head_dim elements); the next
-    position's (in the same page) starts v_stride(kv) elements on."""
-    if kv.blocks == NULL:
-        return kv.values + ((l * kv.kv_heads + kvh) * kv.capacity + pos) * kv.head_dim * kv.esize
-    return kv.values + ((((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
-                         + kvh * kv.head_dim) * kv.esize)
-
-
-cdef inline size_t v_stride(const KV *kv) noexcept nogil:
-    return kv.head_dim if kv.blocks == NULL else kv.kv_width
-
-
-cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
-    """How many positions from pos (< end) sit in consecutive cache rows."""
-    if kv.blocks == NULL:
-        return end - pos
-    return min(16 - (pos & 15), end - pos)
-
-
-cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
-                           size_t l, size_t kvh, size_t hd, float *sc, size_t lds, size_t span,
-                           size_t t0, size_t t1) noexcept nogil:
-    """sc[i * lds + tau] = score of query i against KV head kvh's key at
-    position tau, for the key tiles t0..t1 - 1 (positions below span)."""
-    cdef size_t t, nk
-    for t in range(t0, t1):
-        nk = min(span - 16 * t, <size_t>16)
-        if kv.esize == 2:
-            K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
-        else:
-            K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
-
-
-cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
-                             size_t l, size_t kvh, size_t start, size_t end, size_t c0, float *O, size_t ldo,
-                             size_t n) noexcept nogil:
-    """O[i] = fma(P[i * ldp + tau], value at position tau, O[i]) for the
-    positions start..end - 1 in order, n elements from c0 of KV head kvh's
-    values, by runs of consecutive cache rows: axpy_tile's chain (plain axpy
-    calls' bits)."""
-    cdef size_t tau = start, run
-    while tau < end:
-        run = key_run(kv, tau, end)
-        if kv.esize == 2:
-            K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
-                          O, ldo, n)
-        else:
-            K.axpy_tile(P + tau, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
-                        O, ldo, n)
-        tau += run
 
 
 DEF QTILE = 4  # queries of one sequence attended together (one 4 x 4 score tile)
@@ -619,7 +541,6 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     cdef const float *c
     cdef const float *s
     cdef float *tmp
-    cdef float *tile
     cdef float angle
     cdef const cism_kernels *K = kernel_table()
     if m.qwen3:
@@ -642,14 +563,7 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
     for h in range(m.kv_heads):
-        if kv.esize == 2:
-            K.to_f16(k + h * hd, hd, <uint16_t*>k_tile(kv, l, h, pos) + (pos & 15), 16)
-            K.to_f16(w.v + g * m.kv_width + h * hd, hd, <uint16_t*>v_row(kv, l, h, pos), 1)
-        else:
-            tile = <float*>k_tile(kv, l, h, pos) + (pos & 15)
-            for j in range(hd):
-                tile[j * 16] = k[h * hd + j]
-            memcpy(v_row(kv, l, h, pos), w.v + g * m.kv_width + h * hd, hd * sizeof(float))
+        kv_store(K, kv, l, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
 
 
 cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g0, size_t nq,

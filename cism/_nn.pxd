@@ -3,8 +3,9 @@
 # every module computes them identically.
 from libc.math cimport sqrt
 from libc.stdlib cimport free
-from libc.string cimport memset
-from cism._kernels cimport cism_kernels, cism_mat, cism_act, CISM_FP32
+from libc.stdint cimport uint16_t
+from libc.string cimport memcpy, memset
+from cism._kernels cimport cism_kernels
 
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
@@ -52,27 +53,6 @@ cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, cons
 # nq queries at consecutive positions p0.. of one sequence; every query gets
 # exactly the arithmetic of attending alone (docs/EXACTNESS.md).
 
-cdef inline void tile_scores(const cism_kernels *K, const float *q, size_t ldq, size_t nq,
-                             const float *keys, size_t ldk, size_t nkeys, size_t hd,
-                             float *sc, size_t ldsc) noexcept nogil:
-    """sc[i * ldsc + j] = dot(query i, key j) for nkeys keys in consecutive
-    cache rows (stride ldk floats): canonical dots, through the fp32 gemm
-    kernel with the keys as the matrix and the queries as tokens."""
-    cdef cism_mat m
-    cdef cism_act a
-    memset(&a, 0, sizeof(cism_act))
-    a.x = q
-    a.ldx = ldq
-    m.storage = CISM_FP32
-    m.rows = nkeys
-    m.cols = hd
-    m.codes = keys
-    m.row_bytes = ldk * sizeof(float)
-    m.scale_offset = 0
-    m.scales = NULL
-    K.gemm[CISM_FP32](&m, 0, nkeys, &a, nq, sc, ldsc)
-
-
 cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
                               float scale, float *out, size_t ldo, size_t hd) noexcept nogil:
     """Row i of sc (positions 0..p0 + i) becomes the weights of query i
@@ -83,3 +63,102 @@ cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, siz
     for i in range(nq):
         K.softmax(sc + i * ldsc, p0 + i + 1, scale)
         memset(out + i * ldo, 0, hd * sizeof(float))
+
+
+# ---- KV caches in key tiles (cism/_dense.pyx, cism/_surjo.pyx) ----
+
+cdef struct KV:
+    # A KV cache (dense models: per layer; Surjo: per XSA slot, as `layers`).
+    # Keys sit in key tiles: one KV head's keys of 16 consecutive positions
+    # of a layer transposed, (head_dim, 16) elements with position p in lane
+    # p & 15, which is what the scores16 kernels read (keys in lanes).
+    # Contiguous caches keep each (layer, KV head) as one stream: keys
+    # (layers, kv_heads, capacity / 16, head_dim, 16) from keys_mem (zeroed,
+    # 64-byte aligned), values (layers, kv_heads, capacity, head_dim).
+    # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
+    # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
+    # Elements are float32, or binary16 (esize 2) when the model's
+    # kv_precision is fp16 (dense models); offsets below are in elements.
+    char *keys
+    char *values
+    void *keys_mem
+    size_t capacity
+    const size_t *blocks
+    size_t layers, kv_width, kv_heads, head_dim, esize
+
+
+cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
+    """KV head kvh's key tile holding position pos (in lane pos & 15)."""
+    if kv.blocks == NULL:
+        return kv.keys + ((l * kv.kv_heads + kvh) * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.head_dim * 16 * kv.esize
+    return kv.keys + ((kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
+
+
+cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
+    """KV head kvh's value at position pos (head_dim elements); the next
+    position's (in the same page) starts v_stride(kv) elements on."""
+    if kv.blocks == NULL:
+        return kv.values + ((l * kv.kv_heads + kvh) * kv.capacity + pos) * kv.head_dim * kv.esize
+    return kv.values + ((((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
+                         + kvh * kv.head_dim) * kv.esize)
+
+
+cdef inline size_t v_stride(const KV *kv) noexcept nogil:
+    return kv.head_dim if kv.blocks == NULL else kv.kv_width
+
+
+cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
+    """How many positions from pos (< end) sit in consecutive cache rows."""
+    if kv.blocks == NULL:
+        return end - pos
+    return min(16 - (pos & 15), end - pos)
+
+
+cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
+                           size_t l, size_t kvh, size_t hd, float *sc, size_t lds, size_t span,
+                           size_t t0, size_t t1) noexcept nogil:
+    """sc[i * lds + tau] = score of query i against KV head kvh's key at
+    position tau, for the key tiles t0..t1 - 1 (positions below span)."""
+    cdef size_t t, nk
+    for t in range(t0, t1):
+        nk = min(span - 16 * t, <size_t>16)
+        if kv.esize == 2:
+            K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
+        else:
+            K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
+
+
+cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
+                             size_t l, size_t kvh, size_t start, size_t end, size_t c0, float *O, size_t ldo,
+                             size_t n) noexcept nogil:
+    """O[i] = fma(P[i * ldp + tau], value at position tau, O[i]) for the
+    positions start..end - 1 in order, n elements from c0 of KV head kvh's
+    values, by runs of consecutive cache rows: axpy_tile's chain (plain axpy
+    calls' bits)."""
+    cdef size_t tau = start, run
+    while tau < end:
+        run = key_run(kv, tau, end)
+        if kv.esize == 2:
+            K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                          O, ldo, n)
+        else:
+            K.axpy_tile(P + tau, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                        O, ldo, n)
+        tau += run
+
+
+cdef inline void kv_store(const cism_kernels *K, const KV *kv, size_t l, size_t kvh, size_t pos,
+                          const float *k, const float *v) noexcept nogil:
+    """KV head kvh's key k and value v (head_dim floats each) at position
+    pos: the key into its tile's lane, both rounded to binary16 (to_f16)
+    in an fp16 cache."""
+    cdef size_t j, hd = kv.head_dim
+    cdef float *tile
+    if kv.esize == 2:
+        K.to_f16(k, hd, <uint16_t*>k_tile(kv, l, kvh, pos) + (pos & 15), 16)
+        K.to_f16(v, hd, <uint16_t*>v_row(kv, l, kvh, pos), 1)
+    else:
+        tile = <float*>k_tile(kv, l, kvh, pos) + (pos & 15)
+        for j in range(hd):
+            tile[j * 16] = k[j]
+        memcpy(v_row(kv, l, kvh, pos), v, hd * sizeof(float))

@@ -29,7 +29,7 @@ from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
-from cism._nn cimport add_into, grow_f, rmsnorm, rotate, tile_scores, tile_softmax
+from cism._nn cimport KV, add_into, grow_f, kv_scores, kv_store, kv_weighted, rmsnorm, rotate, tile_softmax
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -346,8 +346,8 @@ cdef class SurjoModel(WeightStore):
 
 cdef struct State:
     # Everything a sequence carries between tokens.
-    float *keys                # (slots, capacity, kv_width) rotated keys
-    float *values              # (slots, capacity, kv_width)
+    KV kv                      # the XSA slots' rotated keys and values: a KV
+                               #   cache (cism/_nn.pxd) with one "layer" per slot
     float *rec                 # (states, state_len): per GDN (layer, pass)
                                #   S (Hv, K, Dv), then FIFOs q (Kt, W-1), k (Kt, W-1), v (Vt, W-1)
     size_t capacity
@@ -451,14 +451,6 @@ cdef inline float softplus(float x) noexcept nogil:
     return <float>log1p(exp(<double>x))
 
 
-cdef inline float *k_row(const State *st, const ModelC *m, size_t slot, size_t pos) noexcept nogil:
-    return st.keys + (slot * st.capacity + pos) * m.kv_width
-
-
-cdef inline float *v_row(const State *st, const ModelC *m, size_t slot, size_t pos) noexcept nogil:
-    return st.values + (slot * st.capacity + pos) * m.kv_width
-
-
 cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st, size_t slot,
                        size_t g, size_t pos, int tid) noexcept nogil:
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
@@ -486,8 +478,26 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st
         s = tmp + half
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
-    memcpy(k_row(st, m, slot, pos), k, m.kv_width * sizeof(float))
-    memcpy(v_row(st, m, slot, pos), w.v + g * m.kv_width, m.kv_width * sizeof(float))
+    for h in range(m.kv_heads):
+        kv_store(kernel_table(), &st.kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+
+
+cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
+    """a -= (a.v / max(v.v, 1e-4)) v for the attention output a (out) of a
+    head of KV head kvh and token g's own value v of that head, the dot
+    products in double (the spec's order)."""
+    cdef size_t hd = m.head_dim, j
+    cdef const float *vv = w.v + g * m.kv_width + kvh * hd
+    cdef double av = 0, vv2 = 0
+    cdef float coef
+    for j in range(hd):
+        av += <double>out[j] * vv[j]
+        vv2 += <double>vv[j] * vv[j]
+    if vv2 < 1e-4:
+        vv2 = 1e-4
+    coef = <float>(av / vv2)
+    for j in range(hd):
+        out[j] -= coef * vv[j]
 
 
 cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
@@ -495,37 +505,44 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const Stat
     """Causal attention of head h for the nq tokens g0.. at positions
     p0.. of the slot (one query tile), then (xsa_projection) the removal of
     each output's component along its token's own value vector of that KV
-    head. Every query keeps the arithmetic of attending alone (see the dense
-    attend in cism/_dense.pyx): canonical dots through the fp32 gemm kernel,
-    the same softmax, the same fma chain over positions."""
-    cdef size_t hd = m.head_dim, QW = m.q_width, KW = m.kv_width
-    cdef size_t span = p0 + nq, tau, i, j
+    head. Every query keeps the arithmetic of attending alone, as the dense
+    attend does (cism/_dense.pyx): scores16 over the slot's key tiles (the
+    fp32 gemm's bits for each key), the same softmax, the same fma chain
+    over positions."""
+    cdef size_t hd = m.head_dim, QW = m.q_width
+    cdef size_t span = p0 + nq, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef float coef
-    cdef double av, vv2
-    cdef const float *vv
     cdef float *out = w.att + g0 * QW + h * hd
-    tile_scores(K, w.q + g0 * QW + h * hd, QW, nq, k_row(st, m, slot, 0) + kvh * hd, KW, span,
-                hd, sc, span)
+    kv_scores(K, &st.kv, w.q + g0 * QW + h * hd, QW, nq, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
-    K.axpy_tile(sc, span, nq, v_row(st, m, slot, 0) + kvh * hd, KW, p0 + 1, out, QW, hd)
+    kv_weighted(K, &st.kv, sc, span, nq, slot, kvh, 0, p0 + 1, 0, out, QW, hd)
     for i in range(1, nq):
-        for tau in range(p0 + 1, p0 + i + 1):
-            K.axpy(sc[i * span + tau], v_row(st, m, slot, tau) + kvh * hd, out + i * QW, hd)
+        kv_weighted(K, &st.kv, sc + i * span, span, 1, slot, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
     if m.xsa_projection:
         for i in range(nq):
-            # a -= (a.v / max(v.v, 1e-4)) v, dot products in double (the spec's order)
-            vv = w.v + (g0 + i) * KW + kvh * hd
-            av = 0
-            vv2 = 0
-            for j in range(hd):
-                av += <double>out[i * QW + j] * vv[j]
-                vv2 += <double>vv[j] * vv[j]
-            if vv2 < 1e-4:
-                vv2 = 1e-4
-            coef = <float>(av / vv2)
-            for j in range(hd):
-                out[i * QW + j] -= coef * vv[j]
+            xsa_project(m, w, g0 + i, kvh, out + i * QW)
+
+
+cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
+                           size_t kvh, size_t p, float *sc) noexcept nogil:
+    """Attention of a lone token (token 0, at position p) for the heads
+    that share KV head kvh, up to QTILE of them at a time as one tile of
+    queries over the same keys and values (as the dense attend_group): each
+    head gets exactly xsa_attend's arithmetic for it alone, and each key and
+    value is read once for the group."""
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads
+    cdef size_t span = p + 1, h0, nh, j
+    cdef float *out
+    for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
+        nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
+        out = w.att + h0 * hd
+        kv_scores(K, &st.kv, w.q + h0 * hd, hd, nh, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
+        for j in range(nh):
+            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
+        kv_weighted(K, &st.kv, sc, span, nh, slot, kvh, 0, span, 0, out, hd, hd)
+        if m.xsa_projection:
+            for j in range(nh):
+                xsa_project(m, w, 0, kvh, out + j * hd)
 
 
 cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t blk,
@@ -702,10 +719,15 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
             # causal GQA attention and the value projection, one (token, head) per item
             # (query tiles of QTILE tokens; later tiles see more positions,
             # hence the dynamic schedule)
-            for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
-                g = (r // m.heads) * QTILE
-                xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r % m.heads,
-                           pos0 + g, w.scores + threadid() * QTILE * w.score_cap)
+            if T == 1 and (nt == 1 or m.kv_heads >= 2 * <size_t>nt):
+                # a lone token: the heads of a KV group as one tile
+                for r in prange(m.kv_heads, num_threads=ntH, schedule='static'):
+                    xsa_attend_group(m, K, w, st, slot, r, pos0, w.scores + threadid() * QTILE * w.score_cap)
+            else:
+                for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
+                    g = (r // m.heads) * QTILE
+                    xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r % m.heads,
+                               pos0 + g, w.scores + threadid() * QTILE * w.score_cap)
             if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
         else:
@@ -767,22 +789,32 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
 # --------------------------------------------------------------- sessions ---
 
 cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil:
-    """Empty KV slots, zero GDN states and FIFOs (once per session)."""
-    cdef size_t n = m.n_slots * capacity * m.kv_width
+    """Empty KV slots (keys zeroed, so the lanes of a last key tile past the
+    written positions hold zeros), zero GDN states and FIFOs (once per
+    session; all or nothing: a failure leaves nothing behind)."""
+    cdef size_t tiles = (capacity + 15) // 16
     if st.rec != NULL:
         return OK
-    st.capacity = capacity
-    st.keys = <float*>malloc(n * sizeof(float) + 64)
-    st.values = <float*>malloc(n * sizeof(float) + 64)
+    st.kv.capacity = capacity
+    st.kv.blocks = NULL
+    st.kv.layers = m.n_slots
+    st.kv.kv_width = m.kv_width
+    st.kv.kv_heads = m.kv_heads
+    st.kv.head_dim = m.head_dim
+    st.kv.esize = sizeof(float)
+    st.kv.keys_mem = calloc(m.n_slots * tiles * 16 * m.kv_width * sizeof(float) + 64, 1)
+    st.kv.values = <char*>malloc(m.n_slots * capacity * m.kv_width * sizeof(float) + 64)
     st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
-    if st.keys == NULL or st.values == NULL or st.rec == NULL:
+    if st.kv.keys_mem == NULL or st.kv.values == NULL or st.rec == NULL:
+        state_free(st)
         return NOMEM
+    st.kv.keys = <char*>((<size_t>st.kv.keys_mem + 63) // 64 * 64)
     return OK
 
 
 cdef void state_free(State *st) noexcept nogil:
-    free(st.keys)
-    free(st.values)
+    free(st.kv.keys_mem)
+    free(st.kv.values)
     free(st.rec)
     memset(st, 0, sizeof(State))
 
@@ -824,7 +856,7 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
     if capacity > m.context:
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
                          f"({prompt_len} + {max_new} > {m.context})")
-    state_bytes = 4 * (2 * m.n_slots * capacity * m.kv_width + m.n_states * m.state_len)
+    state_bytes = 4 * (m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width + m.n_states * m.state_len)
     if state_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
                          "XSA keys/values and GDN states)")
