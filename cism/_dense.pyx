@@ -38,7 +38,7 @@ from cism._common import FINISH_NAMES
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
 from cism._threads import resolve_threads
-from cism._weights import PRECISIONS, check_precisions, check_weights, rope_tables
+from cism._weights import PRECISIONS, check_kv_precision, check_precisions, check_weights, rope_tables
 from cism.sampling import check_seed
 
 cnp.import_array()
@@ -422,11 +422,6 @@ cdef class DenseModel(WeightStore):
 def check_prefill_precision(value):
     if value not in ("exact", "bf16"):
         raise ValueError(f"prefill_precision must be exact or bf16, got {value!r}")
-
-
-def check_kv_precision(value):
-    if value not in ("fp32", "fp16"):
-        raise ValueError(f"kv_precision must be fp32 or fp16, got {value!r}")
 
 
 def kv_budget_from_env():

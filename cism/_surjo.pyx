@@ -41,7 +41,7 @@ from cism._common import FINISH_NAMES
 
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
-from cism._weights import check_precisions, check_weights, rope_tables
+from cism._weights import check_kv_precision, check_precisions, check_weights, rope_tables
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
@@ -112,6 +112,7 @@ cdef struct ModelC:
     size_t rope_positions
     int threads
     bint act_q8
+    bint kv_f16                # XSA slots hold binary16 (kv_precision "fp16")
 
 
 # Order of the GDN projections sharing the normalized input (one gemm_multi).
@@ -127,8 +128,8 @@ DEF GDN_G0 = 6
 cdef class SurjoModel(WeightStore):
     """Surjo weights packed for inference.
 
-    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32")``
-    with ``weights`` a mapping of the spec's tensor names to float arrays.
+    ``Model(config, weights, precision="fp32", threads=None, act_precision="fp32",
+    kv_precision="fp32")`` with ``weights`` a mapping of the spec's tensor names to float arrays.
     Attention and GDN projections, the embedding and the head use the protected
     storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
     """
@@ -139,11 +140,15 @@ cdef class SurjoModel(WeightStore):
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
 
-    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
+    def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
+                 kv_precision="fp32"):
         from cism.surjo import Config, weight_shapes
         if not isinstance(config, Config):
             raise ValueError(f"config must be a cism.surjo.Config, got {type(config).__name__}")
         protected, mlp = check_precisions(precision, act_precision)
+        check_kv_precision(kv_precision)
+        self.c.kv_f16 = kv_precision == "fp16"
+        self.kv_precision_ = kv_precision
         self.config = config
         self.precision_ = precision
         nthreads = resolve_threads(threads)
@@ -334,12 +339,22 @@ cdef class SurjoModel(WeightStore):
         the distribution for token i+1."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
 
+    @property
+    def kv_precision(self):
+        """What the XSA slots hold: ``"fp32"`` (default) or ``"fp16"``: keys
+        and values rounded to binary16 as they are stored (half the bytes
+        per cached position; attention then runs in fp32 over the widened
+        values, every bitwise guarantee kept; docs/EXACTNESS.md). Chosen
+        when the model is built."""
+        return self.kv_precision_
+
     def __repr__(self):
         c = self.config
         return (f"{type(self).__name__}(surjo, layers={c.layers}, passes={c.passes}, "
                 f"hidden={c.hidden}, precision={self.precision_!r}, "
-                f"act_precision={self.act_precision!r}, threads={self.c.threads}, "
-                f"weight_bytes={self.weight_bytes_})")
+                f"act_precision={self.act_precision!r}, "
+                + (f"kv_precision={self.kv_precision_!r}, " if self.c.kv_f16 else "")
+                + f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
 
 
 # ----------------------------------------------------------- forward pass ---
@@ -801,9 +816,9 @@ cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil
     st.kv.kv_width = m.kv_width
     st.kv.kv_heads = m.kv_heads
     st.kv.head_dim = m.head_dim
-    st.kv.esize = sizeof(float)
-    st.kv.keys_mem = calloc(m.n_slots * tiles * 16 * m.kv_width * sizeof(float) + 64, 1)
-    st.kv.values = <char*>malloc(m.n_slots * capacity * m.kv_width * sizeof(float) + 64)
+    st.kv.esize = 2 if m.kv_f16 else 4
+    st.kv.keys_mem = calloc(m.n_slots * tiles * 16 * m.kv_width * st.kv.esize + 64, 1)
+    st.kv.values = <char*>malloc(m.n_slots * capacity * m.kv_width * st.kv.esize + 64)
     st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
     if st.kv.keys_mem == NULL or st.kv.values == NULL or st.rec == NULL:
         state_free(st)
@@ -856,7 +871,8 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
     if capacity > m.context:
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
                          f"({prompt_len} + {max_new} > {m.context})")
-    state_bytes = 4 * (m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width + m.n_states * m.state_len)
+    state_bytes = ((2 if m.kv_f16 else 4) * m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
+                   + 4 * m.n_states * m.state_len)
     if state_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
                          "XSA keys/values and GDN states)")

@@ -10,7 +10,7 @@ cdef class WeightStore:
     cdef int threads_
     cdef bint act_q8_
     cdef str prefill_precision_   # "exact" or "bf16" (dense models; see set_prefill_precision)
-    cdef str kv_precision_        # "fp32" or "fp16" (dense models; fixed at construction)
+    cdef str kv_precision_        # "fp32" or "fp16" (dense and Surjo models; fixed at construction)
     cdef public object source  # the Checkpoint a model was loaded from, if any
     cdef list keep            # Matrix objects and norm/vector arrays the C pointers point into
     cdef dict matrices        # HF name -> Matrix

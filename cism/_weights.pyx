@@ -28,6 +28,13 @@ cdef extern from "memscan.h" nogil:
 PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 
 
+def check_kv_precision(value):
+    """The KV cache precisions: fp32, or fp16 (keys and values rounded to
+    binary16 when stored; dense and Surjo models)."""
+    if value not in ("fp32", "fp16"):
+        raise ValueError(f"kv_precision must be fp32 or fp16, got {value!r}")
+
+
 def check_precisions(precision, act_precision):
     """The spec's precision names; returns (protected storage, MLP storage):
     hybrids keep attention, embeddings and head at int8 and the MLP at 4 bits."""

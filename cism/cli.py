@@ -49,8 +49,8 @@ def load_model(args):
     if args.kv_precision != "fp32":
         from cism.loaders import read_config
         kind = read_config(model_path(args)).get("model_type")
-        if cism.FAMILIES.get(kind) != "cism.dense":
-            raise CliError(f"--kv-precision {args.kv_precision} is for dense models, not {kind}")
+        if cism.FAMILIES.get(kind) not in ("cism.dense", "cism.surjo"):
+            raise CliError(f"--kv-precision {args.kv_precision} is for dense and Surjo models, not {kind}")
         options["kv_precision"] = args.kv_precision
     model = cism.load(model_path(args), precision=args.precision, threads=args.threads,
                       act_precision=args.act_precision, **options)
@@ -73,7 +73,7 @@ def add_model_args(p, required=False):
     p.add_argument("--prefill-precision", default="exact", choices=["exact", "bf16"],
                    help="bf16: prompt tokens on the AMX tile unit (faster, not bit-exact; dense models)")
     p.add_argument("--kv-precision", default="fp32", choices=["fp32", "fp16"],
-                   help="fp16: KV caches in binary16 (half the memory, faster long contexts; dense models)")
+                   help="fp16: KV caches in binary16 (half the memory, faster long contexts; dense and Surjo models)")
     p.add_argument("--threads", type=int, default=None, help="default: physical cores")
 
 

@@ -467,4 +467,4 @@ def test_cli_kv_precision(data_dir, tmp_path, capsys):
     d = save_dir(tmp_path / "fwkv", c, weights(c, 0))
     code = cli.main(["perplexity", "--model", str(d), "--file", str(f), "--kv-precision", "fp16"])
     err = capsys.readouterr().err
-    assert code == 2 and err.strip() == "cism: error: --kv-precision fp16 is for dense models, not fwkv"
+    assert code == 2 and err.strip() == "cism: error: --kv-precision fp16 is for dense and Surjo models, not fwkv"

@@ -41,12 +41,12 @@ CASES = {
 BASE = dict(CASES["gqa-p2-k4"], context=512)
 
 
-def make(case=None, precision="fp32", threads=1, seed=0, act_precision="fp32", **kw):
+def make(case=None, precision="fp32", threads=1, seed=0, act_precision="fp32", kv_precision="fp32", **kw):
     fields = dict(CASES[case], context=512) if case else dict(BASE)
     fields.update(kw)
     config = Config(**fields)
     return Model(config, ref.random_weights(ref_config(config), seed), precision, threads,
-                 act_precision)
+                 act_precision, kv_precision=kv_precision)
 
 
 def ref_config(config):
@@ -118,12 +118,13 @@ def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
 
 # ------------------------------------------------------------- invariances ---
 
-@pytest.mark.parametrize("precision,act", [("fp32", "fp32"), ("int8", "int8"), ("hybrid-fp4", "fp32"),
-                                           ("hybrid-int4", "int8")])
-def test_block_equals_steps_bitwise(precision, act):
+@pytest.mark.parametrize("precision,act,kv", [("fp32", "fp32", "fp32"), ("int8", "int8", "fp32"),
+                                              ("hybrid-fp4", "fp32", "fp32"), ("hybrid-int4", "int8", "fp32"),
+                                              ("fp32", "fp32", "fp16"), ("hybrid-int4", "int8", "fp16")])
+def test_block_equals_steps_bitwise(precision, act, kv):
     """Logits after each single-token step equal, bit for bit, those of the same
     tokens run as one block (a 260-token prompt crosses the 256-token chunk)."""
-    model = make(precision=precision, act_precision=act, seed=1)
+    model = make(precision=precision, act_precision=act, seed=1, kv_precision=kv)
     prompt = list(np.random.default_rng(4).integers(0, 101, 260))
     s = model.create_session(prompt, 8)
     assert s.last_logits is None
@@ -158,6 +159,36 @@ def test_thread_count_does_not_change_results(precision):
         s = m.create_session(tokens[:10], 20)
         s.set_draft_steps([i for i, st in enumerate(m.plan) if st[1] == 1])
         assert s.next_tokens(20, spec_k=4) == gen
+
+
+def test_fp16_kv_threads_speculation_and_the_rounded_reference():
+    """kv_precision "fp16": the XSA slots hold binary16 keys and values.
+    Thread counts, a lone token's group tile and the neural drafter's
+    speculation keep their bits; the logits follow the reference that rounds
+    its cache the same way and stand clearly apart from the unrounded one;
+    the slots take half the bytes and the choice is part of the model key."""
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config), 2)
+    tokens = list(np.random.default_rng(5).integers(0, 101, 200))
+    base = Model(config, w, "fp32", threads=1, kv_precision="fp16")
+    want = base.logits_all(tokens)
+    gen = base.create_session(tokens[:10], 20).next_tokens(20)
+    for threads in (2, 3):
+        m = Model(config, w, "fp32", threads=threads, kv_precision="fp16")
+        assert np.array_equal(m.logits_all(tokens), want)
+        s = m.create_session(tokens[:10], 20)
+        s.set_draft_steps([i for i, st in enumerate(m.plan) if st[1] == 1])
+        assert s.next_tokens(20, spec_k=4) == gen
+    rc = ref_config(config)
+    near = rel_err(want, ref.logits(rc, w, tokens, kv_round=np.float16))
+    far = rel_err(want, ref.logits(rc, w, tokens))
+    assert near < 5e-4 and far > 10 * near, (near, far)
+    m32 = Model(config, w, "fp32")
+    assert (m32.kv_precision, base.kv_precision) == ("fp32", "fp16")
+    assert m32.compile_key != base.compile_key and "kv_precision='fp16'" in repr(base)
+    assert "kv_precision" not in repr(m32)
+    with pytest.raises(ValueError, match="kv_precision must be fp32 or fp16, got 'bf16'"):
+        Model(config, w, "fp32", kv_precision="bf16")
 
 
 def test_isa_variants_agree_bitwise(isa_level):

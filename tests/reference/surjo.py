@@ -310,9 +310,10 @@ class State:
     fifo_q: list
     fifo_k: list
     fifo_v: list
+    kv_round: object = None   # e.g. np.float16: keys and values rounded so as they are cached
 
 
-def init_state(c, dtype=np.float64):
+def init_state(c, dtype=np.float64, kv_round=None):
     """A fresh session: empty KV slots, zero GDN states and zero conv FIFOs."""
     steps = plan(c)
     slots = sum(1 for s in steps if s.slot >= 0)
@@ -328,6 +329,7 @@ def init_state(c, dtype=np.float64):
         fifo_q=[np.zeros((km, kt), dtype) for _ in range(states)],
         fifo_k=[np.zeros((km, kt), dtype) for _ in range(states)],
         fifo_v=[np.zeros((km, vt), dtype) for _ in range(states)],
+        kv_round=kv_round,
     )
 
 
@@ -356,9 +358,13 @@ def xsa_mixer(c, w, p, h, state, slot, positions):
     # per-head q/k rmsnorm, then rotate q and k
     q = _rope(_rms(q, w(p + "q_norm.weight"), c["eps"]), positions, c["rope_theta"])
     k = _rope(_rms(k, w(p + "k_norm.weight"), c["eps"]), positions, c["rope_theta"])
-    # append to this execution's KV slot
-    keys = state.keys[slot] = np.concatenate([state.keys[slot], k])         # (S, Hkv, Dh)
-    vals = state.values[slot] = np.concatenate([state.values[slot], v])
+    # append to this execution's KV slot (rounded first with kv_round; the
+    # projection below uses the token's own value as computed)
+    kc, vc = k, v
+    if state.kv_round is not None:
+        kc, vc = k.astype(state.kv_round).astype(k.dtype), v.astype(state.kv_round).astype(v.dtype)
+    keys = state.keys[slot] = np.concatenate([state.keys[slot], kc])        # (S, Hkv, Dh)
+    vals = state.values[slot] = np.concatenate([state.values[slot], vc])
     # causal GQA attention: head j reads KV head j // rep
     kh = np.repeat(keys, rep, axis=1)                                        # (S, H, Dh)
     vh = np.repeat(vals, rep, axis=1)
@@ -464,9 +470,10 @@ def step(c, weights, state, token):
     return forward(c, weights, state, [token])[0]
 
 
-def logits(c, weights, tokens, dtype=np.float64):
-    """Logits (T, V) at every position of ``tokens`` from a fresh state."""
-    return forward(c, weights, init_state(c, dtype), tokens)
+def logits(c, weights, tokens, dtype=np.float64, kv_round=None):
+    """Logits (T, V) at every position of ``tokens`` from a fresh state
+    (``kv_round``: the cache's keys and values rounded to that dtype)."""
+    return forward(c, weights, init_state(c, dtype, kv_round), tokens)
 
 
 def greedy(c, weights, prompt, n, dtype=np.float64):
