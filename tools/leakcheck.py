@@ -25,6 +25,7 @@ def workload(rounds):
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from models import small_model
+    from cism import _kernels
     from cism.matrix import Matrix
 
     rng = np.random.default_rng(0)
@@ -91,7 +92,38 @@ def workload(rounds):
             model.touch()
             model.scan()
             del model, s, g, c, c2, b, b2, p, src, fork
+        # Surjo (XSA slots on the shared KV cache, both cache precisions) and
+        # the GGUF decoder's parts
+        for kv in ("fp32", "fp16"):
+            model = surjo_model(kv)
+            prompt = list(rng.integers(0, 101, 270))
+            model.logits_all(prompt[:40])
+            s = model.create_session(prompt, 12, temperature=0.7, seed=1)
+            s.next_tokens(12)
+            g = model.create_session(prompt[:8] * 4, 16)
+            g.set_draft_steps([i for i, st in enumerate(model.plan) if st[1] == 1])
+            g.next_tokens(16, spec_k=4)
+            c = model.create_session(prompt, 10)
+            c._cancel_after(3)
+            c.next_tokens(10)
+            del model, s, g, c
+        raw = rng.integers(0, 256, 34 * 3000, dtype=np.uint8)
+        raw[::34] = 0x3c   # Q8_0 blocks with finite scales
+        raw[1::34] = 0
+        _kernels.ggml_decode(8, raw, np.empty(32 * 3000, np.float32), 2)
     print("workload done")
+
+
+def surjo_model(kv_precision):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from reference import surjo as ref
+    from cism.surjo import Config, Model
+    fields = dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, vocab=101, context=512,
+                  prelude=1, groups=2, per_xsa=2, coda=1, passes=2, gdn_v_heads=4, gdn_k_dim=12,
+                  gdn_v_dim=10, conv_kernel=4)
+    rc = ref.make_config(**fields)
+    return Model(Config(**fields), ref.random_weights(rc, 0), "hybrid-int4", 2, "int8",
+                 kv_precision=kv_precision)
 
 
 FRAME = re.compile(r"^\s+#\d+ .*$")
