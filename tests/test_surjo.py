@@ -191,6 +191,25 @@ def test_fp16_kv_threads_speculation_and_the_rounded_reference():
         Model(config, w, "fp32", kv_precision="bf16")
 
 
+def test_fp16_kv_through_load_and_the_cli(tmp_path):
+    """cism.load and the CLI's --kv-precision reach a Surjo checkpoint."""
+    import types
+
+    from cism import cli
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config), 4)
+    save_checkpoint(tmp_path / "surjo", config, w)
+    toks = list(np.random.default_rng(6).integers(0, 101, 30))
+    want = Model(config, w, "int8", kv_precision="fp16").logits_all(toks)
+    m = cism.load(tmp_path / "surjo", precision="int8", kv_precision="fp16")
+    assert m.kv_precision == "fp16" and np.array_equal(m.logits_all(toks), want)
+    args = types.SimpleNamespace(model=str(tmp_path / "surjo"), precision="int8", threads=1,
+                                 act_precision="fp32", kv_precision="fp16", prefill_precision="exact")
+    assert cli.load_model(args).kv_precision == "fp16"
+    with pytest.raises(ValueError, match="kv_precision must be fp32 or fp16, got 'int8'"):
+        cism.load(tmp_path / "surjo", kv_precision="int8")
+
+
 def test_isa_variants_agree_bitwise(isa_level):
     """The kernels are bit-identical across ISAs, so the whole forward is."""
     model = make(precision="int8", act_precision="int8", seed=3)
