@@ -292,8 +292,8 @@ def ggml_decode(int type_id, const uint8_t[::1] raw, float[::1] out, int threads
     cdef size_t count = out.shape[0], blk = block, bb = block_bytes
     if count % block or raw.shape[0] != count // block * block_bytes:
         raise ValueError(f"ggml_decode: {raw.shape[0]} bytes do not hold {count} elements")
-    if threads < 1:
-        raise ValueError(f"ggml_decode: threads must be at least 1, got {threads}")
+    if not 1 <= threads <= 64:
+        raise ValueError(f"ggml_decode: threads must be in [1, 64], got {threads}")
     cdef size_t blocks = count // blk
     cdef size_t per = max(<size_t>1, <size_t>DECODE_PART // blk)
     cdef size_t parts = (blocks + per - 1) // per, p

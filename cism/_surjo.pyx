@@ -365,7 +365,6 @@ cdef struct State:
                                #   cache (cism/_nn.pxd) with one "layer" per slot
     float *rec                 # (states, state_len): per GDN (layer, pass)
                                #   S (Hv, K, Dv), then FIFOs q (Kt, W-1), k (Kt, W-1), v (Vt, W-1)
-    size_t capacity
 
 
 cdef struct Work:

@@ -532,8 +532,9 @@ def test_ggml_decode_parts_and_threads(qtype):
             out = np.full(n, np.nan, np.float32)
             _kernels.ggml_decode(int(qtype), raw, out, threads)
             assert same_bits(out, want.reshape(-1)), (n, threads)
-    with pytest.raises(ValueError, match="threads"):
-        _kernels.ggml_decode(int(qtype), raw, out, 0)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match=r"threads must be in \[1, 64\], got " + str(bad)):
+            _kernels.ggml_decode(int(qtype), raw, out, bad)
 
 
 def test_gguf_loader_starts_no_python_thread(tmp_path, monkeypatch):
