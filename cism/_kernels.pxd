@@ -74,6 +74,7 @@ cdef extern from "kernels.h" nogil:
     ctypedef void (*cism_unary_fn)(const float *x, float *y, size_t n) noexcept nogil
     ctypedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t n) noexcept nogil
     ctypedef void (*cism_softmax_fn)(float *x, size_t n, float scale) noexcept nogil
+    ctypedef size_t (*cism_argmax_fn)(const float *x, size_t n) noexcept nogil
 
     ctypedef struct cism_kernels:
         cism_gemm_fn gemm[5]
@@ -97,6 +98,7 @@ cdef extern from "kernels.h" nogil:
         cism_binary_fn silu_mul
         cism_binary_fn sigmoid_mul
         cism_softmax_fn softmax
+        cism_argmax_fn argmax
         const char *name_gemm
         const char *name_gemm_q
         const char *name_dot

@@ -15,6 +15,8 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memset
 
+from cism._kernels cimport cism_argmax_fn, kernel_table
+
 cnp.import_array()
 
 cdef extern from "sample.h" nogil:
@@ -22,11 +24,28 @@ cdef extern from "sample.h" nogil:
     uint64_t cism_mt64_next(cism_mt64 *g)
     void cism_sampler_free(cism_sampler *s)
     size_t cism_argmax(const float *logits, size_t n)
+    void cism_sample_use_argmax(const cism_argmax_fn *slot)
     int64_t cism_sample(const float *logits, size_t vocab, double temperature, double top_p,
                         size_t top_k, cism_mt64 *rng, cism_sampler *s)
     size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out)
     int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k,
                         const int64_t *history, size_t n_history, cism_mt64 *rng, cism_sampler *s)
+
+
+# argmax through the kernel table (vectorized, the same index on every level)
+cism_sample_use_argmax(&kernel_table().argmax)
+
+
+def argmax_of(x):
+    """The first index of the largest element of a float32 vector (the
+    sampler's temperature-0 rule), through the kernel table."""
+    cdef cnp.ndarray a = np.ascontiguousarray(x, dtype=np.float32)
+    if a.ndim != 1:
+        raise ValueError("x must be one-dimensional")
+    cdef size_t n = a.shape[0], r
+    with nogil:
+        r = cism_argmax(<const float*>cnp.PyArray_DATA(a), n)
+    return int(r)
 
 
 cdef void rng_seed(cism_mt64 *g, uint64_t seed) noexcept nogil:

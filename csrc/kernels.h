@@ -117,6 +117,11 @@ typedef void (*cism_binary_fn)(const float *a, const float *b, float *y, size_t 
  * (cism_reduce16; for the maximum the same pairs under the same rule).
  * Every level gives the same bits (act_ref.c is the reference). */
 typedef void (*cism_softmax_fn)(float *x, size_t n, float scale);
+/* The first index of the largest of n floats (std::max_element's rule:
+ * index i replaces the best so far only if best < x_i, so ties keep the
+ * first, -0 and +0 tie, a NaN never wins, and a NaN at index 0 keeps 0);
+ * 0 when n is 0. Every level gives the same index. */
+typedef size_t (*cism_argmax_fn)(const float *x, size_t n);
 
 /* amx: avx512vnni plus the tile unit (AMX-INT8 for the exact integer x q8
  * gemms, AMX-BF16 for the opt-in bf16 precision), where Linux grants it */
@@ -145,6 +150,7 @@ typedef struct cism_kernels {
     cism_unary_fn exp, sigmoid, silu, gelu;
     cism_binary_fn silu_mul, sigmoid_mul;
     cism_softmax_fn softmax;
+    cism_argmax_fn argmax;
     /* which variant fills each family, for show_runtime(): "ref", "avx2", ... */
     const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act, *name_gemm_bf16;
 } cism_kernels;

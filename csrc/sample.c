@@ -47,7 +47,14 @@ void cism_sampler_free(cism_sampler *s) {
     memset(s, 0, sizeof *s);
 }
 
+/* The kernel table's argmax (every level gives the reference's index),
+ * set once by cism.sampling at import; the scalar rule until then. */
+static cism_argmax_fn const *argmax_slot = NULL;
+
+void cism_sample_use_argmax(cism_argmax_fn const *slot) { argmax_slot = slot; }
+
 size_t cism_argmax(const float *logits, size_t n) {
+    if (argmax_slot && *argmax_slot) return (*argmax_slot)(logits, n);
     size_t best = 0;
     for (size_t i = 1; i < n; i++)
         if (logits[best] < logits[i]) best = i;

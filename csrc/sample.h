@@ -33,7 +33,12 @@ typedef struct {
 
 void cism_sampler_free(cism_sampler *s);
 
-/* First index of the largest logit (std::max_element). */
+/* First index of the largest logit (std::max_element), through the kernel
+ * table's argmax once cism_sample_use_argmax has been given its slot (the
+ * table is refilled in place when the ISA level changes, so the slot
+ * follows it). */
+typedef size_t (*cism_argmax_fn)(const float *x, size_t n);
+void cism_sample_use_argmax(cism_argmax_fn const *slot);
 size_t cism_argmax(const float *logits, size_t n);
 
 /* The spec's sampler: temperature 0 -> argmax; otherwise order tokens by

@@ -194,7 +194,7 @@ class _Table(ctypes.Structure):
                 ("dot", _fp), ("axpy", _fp), ("axpy_tile", _fp), ("scores16", _fp),
                 ("scores16_h", _fp), ("axpy_tile_h", _fp), ("to_f16", _fp), ("quant8", _fp)]
     _fields_ += [(name, _fp) for name in FUNCS]
-    _fields_ += [("softmax", _fp)]
+    _fields_ += [("softmax", _fp), ("argmax", _fp)]
     _fields_ += [(name, ctypes.c_char_p) for name in
                  ("name_gemm", "name_gemm_q", "name_dot", "name_quant", "name_act", "name_gemm_bf16")]
 
@@ -436,3 +436,55 @@ def test_softmax_against_float64():
         want /= want.sum()
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
         assert abs(got.sum() - 1.0) < 1e-6
+
+
+# ---- argmax (the sampler's temperature-0 rule) ----
+
+def argmax_rule(x):
+    """std::max_element: index i replaces the best only if best < x[i]."""
+    best = 0
+    for i in range(1, len(x)):
+        if x[best] < x[i]:
+            best = i
+    return best
+
+
+def argmax_rows(rng):
+    rows = []
+    for n in list(range(0, 70)) + [95, 96, 97, 127, 128, 129, 1000, 49152, 49152 + 17]:
+        rows.append(rng.standard_normal(n).astype(F32))
+    big = rng.standard_normal(4099).astype(F32)
+    for where in (0, 1, 31, 32, 33, 4095, 4098):          # the maximum in every place
+        r = big.copy()
+        r[where] = 50.0
+        rows.append(r)
+    tie = np.zeros(300, F32)
+    tie[[7, 40, 299]] = 3.0                              # ties keep the first
+    rows.append(tie)
+    z = np.full(200, -0.0, F32)
+    z[150] = 0.0                                         # -0 and +0 tie: index 0
+    rows.append(z)
+    nan0 = rng.standard_normal(200).astype(F32)
+    nan0[0] = np.nan                                     # NaN at 0 keeps 0
+    rows.append(nan0)
+    nans = rng.standard_normal(200).astype(F32)
+    nans[::3] = np.nan                                   # NaNs never win
+    rows.append(nans)
+    rows.append(np.full(150, -np.inf, F32))              # nothing beats -inf: 0
+    late = np.full(150, -np.inf, F32)
+    late[149] = -1e38
+    rows.append(late)
+    return rows
+
+
+@pytest.mark.parametrize("level", runnable_isas())
+def test_argmax_every_level_is_the_rule(level, isa_level):
+    """The kernel table's argmax, as the sampler reaches it (cism.sampling
+    follows the level), gives max_element's index on every level."""
+    from cism import sampling
+    rows = argmax_rows(np.random.default_rng(14))
+    isa_level(level)
+    for x in rows:
+        assert sampling.argmax_of(x) == argmax_rule(x), (level, x.size)
+    x = next(r for r in rows if r.size == 49152 + 17)  # also numpy's answer
+    assert sampling.argmax_of(x) == int(np.argmax(x))

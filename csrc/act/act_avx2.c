@@ -193,6 +193,55 @@ static void softmax_avx2(float *x, size_t n, float scale) {
     }
 }
 
+/* argmax as act_avx512.c's: 4 x 8 lanes each keep the first largest of
+ * their elements and its index, then the largest value and the smallest
+ * index among the lanes that hold it, then the tail in order. */
+static size_t argmax_avx2(const float *x, size_t n) {
+    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) {
+        size_t best = 0;
+        for (size_t i = 1; i < n; i++)
+            if (x[best] < x[i]) best = i;
+        return best;
+    }
+    __m256 b[4];
+    __m256i ix[4], c[4];
+    for (int j = 0; j < 4; j++) {
+        b[j] = _mm256_set1_ps(-INFINITY);
+        ix[j] = _mm256_set1_epi32(-1);
+        c[j] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * j));
+    }
+    const __m256i step = _mm256_set1_epi32(32);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+            const __m256 g = _mm256_cmp_ps(b[j], v, _CMP_LT_OQ);
+            b[j] = _mm256_blendv_ps(b[j], v, g);
+            ix[j] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ix[j]), _mm256_castsi256_ps(c[j]), g));
+            c[j] = _mm256_add_epi32(c[j], step);
+        }
+    float bv[32];
+    int32_t bi[32];
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(bv + 8 * j, b[j]);
+        _mm256_storeu_si256((__m256i *)(bi + 8 * j), ix[j]);
+    }
+    size_t best = 0;
+    float top = -INFINITY;
+    int found = 0;
+    for (int l = 0; l < 32; l++) {
+        if (bi[l] < 0) continue;
+        if (!found || top < bv[l] || (!(bv[l] < top) && (size_t)bi[l] < best)) {
+            top = bv[l];
+            best = (size_t)bi[l];
+            found = 1;
+        }
+    }
+    for (; i < n; i++)
+        if (x[best] < x[i]) best = i;
+    return best;
+}
+
 void cism_fill_act_avx2(cism_kernels *k) {
     k->exp = exp_avx2;
     k->sigmoid = sigmoid_avx2;
@@ -201,5 +250,6 @@ void cism_fill_act_avx2(cism_kernels *k) {
     k->silu_mul = silu_mul_avx2;
     k->sigmoid_mul = sigmoid_mul_avx2;
     k->softmax = softmax_avx2;
+    k->argmax = argmax_avx2;
     k->name_act = "avx2";
 }

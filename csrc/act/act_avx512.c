@@ -170,6 +170,58 @@ static void softmax_avx512(float *x, size_t n, float scale) {
     if (tail) _mm512_mask_storeu_ps(x + full, tail, _mm512_div_ps(_mm512_maskz_loadu_ps(tail, x + full), sum));
 }
 
+/* argmax: each of 2 x 16 lanes keeps the first largest of its elements
+ * (replaced only by a greater one: a NaN never wins) and its index; the
+ * lanes then give the largest value, and among lanes that hold it the
+ * smallest index, which is the reference's answer. Lanes start at -inf
+ * with no index: if no element beats -inf, every element is -inf or NaN
+ * and the reference keeps index 0. Indices are 32-bit (n < 2^31). */
+static size_t argmax_avx512(const float *x, size_t n) {
+    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) {
+        size_t best = 0;
+        for (size_t i = 1; i < n; i++)
+            if (x[best] < x[i]) best = i;
+        return best;
+    }
+    const __m512i step = _mm512_set1_epi32(32), none = _mm512_set1_epi32(-1);
+    __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;
+    __m512i i0 = none, i1 = none;
+    __m512i c0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i c1 = _mm512_add_epi32(c0, _mm512_set1_epi32(16));
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+        const __mmask16 g0 = _mm512_cmp_ps_mask(b0, v0, _CMP_LT_OQ), g1 = _mm512_cmp_ps_mask(b1, v1, _CMP_LT_OQ);
+        b0 = _mm512_mask_mov_ps(b0, g0, v0);
+        b1 = _mm512_mask_mov_ps(b1, g1, v1);
+        i0 = _mm512_mask_mov_epi32(i0, g0, c0);
+        i1 = _mm512_mask_mov_epi32(i1, g1, c1);
+        c0 = _mm512_add_epi32(c0, step);
+        c1 = _mm512_add_epi32(c1, step);
+    }
+    float bv[32];
+    int32_t bi[32];
+    _mm512_storeu_ps(bv, b0);
+    _mm512_storeu_ps(bv + 16, b1);
+    _mm512_storeu_si512((void *)bi, i0);
+    _mm512_storeu_si512((void *)(bi + 16), i1);
+    size_t best = 0;
+    float top = -INFINITY;
+    int found = 0;
+    for (int l = 0; l < 32; l++) {
+        if (bi[l] < 0) continue;
+        if (!found || top < bv[l] || (!(bv[l] < top) && (size_t)bi[l] < best)) {
+            top = bv[l];
+            best = (size_t)bi[l];
+            found = 1;
+        }
+    }
+    /* the tail, in order, against the lanes' winner (or index 0) */
+    for (; i < n; i++)
+        if (x[best] < x[i]) best = i;
+    return best;
+}
+
 void cism_fill_act_avx512(cism_kernels *k) {
     k->exp = exp_avx512;
     k->sigmoid = sigmoid_avx512;
@@ -178,5 +230,6 @@ void cism_fill_act_avx512(cism_kernels *k) {
     k->silu_mul = silu_mul_avx512;
     k->sigmoid_mul = sigmoid_mul_avx512;
     k->softmax = softmax_avx512;
+    k->argmax = argmax_avx512;
     k->name_act = "avx512";
 }

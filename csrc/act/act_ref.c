@@ -132,6 +132,13 @@ static void softmax_ref(float *x, size_t n, float scale) {
     for (size_t t = 0; t < n; t++) x[t] = x[t] / sum;
 }
 
+static size_t argmax_ref(const float *x, size_t n) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (x[best] < x[i]) best = i;
+    return best;
+}
+
 void cism_fill_act_ref(cism_kernels *k) {
     k->exp = exp_ref;
     k->sigmoid = sigmoid_ref;
@@ -140,5 +147,6 @@ void cism_fill_act_ref(cism_kernels *k) {
     k->silu_mul = silu_mul_ref;
     k->sigmoid_mul = sigmoid_mul_ref;
     k->softmax = softmax_ref;
+    k->argmax = argmax_ref;
     k->name_act = "ref";
 }
