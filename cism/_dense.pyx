@@ -24,7 +24,7 @@ from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
-from cism._nn cimport (KV, add_into, grow_f, k_tile, kv_scores, kv_store, kv_weighted, rmsnorm, rotate,
+from cism._nn cimport (KV, add_into, all_finite_f, grow_f, k_tile, kv_scores, kv_store, kv_weighted, rmsnorm, rotate,
                       tile_softmax, v_row, v_stride)
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
@@ -778,9 +778,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         rmsnorm(w.x + out_rows[i] * H, w.head_in + i * H, m.final_norm, H, m.eps)
     if gemm1(&m.head, q8, w.head_in, H, n_out, logits, m.vocab, &w.qs, nt) != 0:
         return NOMEM
-    for i in range(n_out * m.vocab):
-        if not isfinite(logits[i]):
-            return NONFINITE
+    if not all_finite_f(logits, n_out * m.vocab):
+        return NONFINITE
     return OK
 
 

@@ -23,7 +23,7 @@ from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport DecodeSession, MAX_K, PREFILL_CHUNK
-from cism._nn cimport grow_f
+from cism._nn cimport all_finite_f, grow_f
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -425,9 +425,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, floa
         proj_back(m, w.h + (c // e_chunks) * d, w.emb + (c // e_chunks) * e, c % e_chunks)
     if gemm1(&m.shared, q8, w.emb, e, n_out, logits, V, &w.qs, nt) != 0:
         return NOMEM
-    for i in range(n_out * V):
-        if not isfinite(logits[i]):
-            return NONFINITE
+    if not all_finite_f(logits, n_out * V):
+        return NONFINITE
     return OK
 
 

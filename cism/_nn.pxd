@@ -3,7 +3,7 @@
 # every module computes them identically.
 from libc.math cimport sqrt
 from libc.stdlib cimport free
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels
 
@@ -18,6 +18,19 @@ cdef inline int grow_f(float **p, size_t n) noexcept nogil:
     free(p[0])
     p[0] = <float*>aligned_alloc(64, (n * sizeof(float) + 64 + 63) // 64 * 64)
     return -1 if p[0] == NULL else 0
+
+
+cdef inline bint all_finite_f(const float *x, size_t n) noexcept nogil:
+    """No inf or NaN among n floats: their exponent bits OR-reduced without
+    an early exit, so the compiler vectorizes the scan (a model's logits,
+    once per forward: the scalar test with its early return ran 16 us on
+    49152 logits while the other threads waited)."""
+    cdef const uint32_t *u = <const uint32_t*>x
+    cdef uint32_t bad = 0
+    cdef size_t i
+    for i in range(n):
+        bad |= <uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u)
+    return bad == 0
 
 
 cdef inline void rmsnorm(const float *x, float *out, const float *weight, size_t n, float eps) noexcept nogil:

@@ -29,7 +29,7 @@ from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
-from cism._nn cimport KV, add_into, grow_f, kv_scores, kv_store, kv_weighted, rmsnorm, rotate, tile_softmax
+from cism._nn cimport KV, add_into, all_finite_f, grow_f, kv_scores, kv_store, kv_weighted, rmsnorm, rotate, tile_softmax
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -794,9 +794,8 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
         rmsnorm(w.x + out_rows[i] * D, w.head_in + i * D, m.final_norm, D, m.eps)
     if gemm1(&m.head, q8, w.head_in, D, n_out, logits, m.vocab, &w.qs, nt) != 0:
         return NOMEM
-    for i in range(n_out * m.vocab):
-        if not isfinite(logits[i]):
-            return NONFINITE
+    if not all_finite_f(logits, n_out * m.vocab):
+        return NONFINITE
     return OK
 
 

@@ -468,3 +468,21 @@ def test_cli_kv_precision(data_dir, tmp_path, capsys):
     code = cli.main(["perplexity", "--model", str(d), "--file", str(f), "--kv-precision", "fp16"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == "cism: error: --kv-precision fp16 is for dense and Surjo models, not fwkv"
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_non_finite_logits_cancel_the_session(where):
+    """Finite weights whose logits overflow (one head row of 3e38s) end the
+    session with a RuntimeError naming it, wherever the row sits in the
+    vocabulary (the vectorized scan sees every element), and in batches."""
+    c = small_config(context=64)
+    w = dense_weights(c, seed=1, untied_head=True)
+    row = {"first": 0, "middle": c.vocab // 2, "last": c.vocab - 1}[where]
+    w["lm_head.weight"][row] = 3e38
+    m = Model(c, w, "fp32")
+    s = m.create_session([1, 2, 3], 4)
+    with pytest.raises(RuntimeError, match="non-finite logits during inference; the session is cancelled"):
+        s.next_tokens(2)
+    assert s.finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="non-finite logits"):
+        m.create_batch_session([[1, 2], [3, 4, 5]], 3).next_tokens(3)
