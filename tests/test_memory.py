@@ -160,3 +160,47 @@ def test_out_of_memory_in_the_loaders_first_import_is_named(data_dir):
         messages.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert all(m.startswith(f"{path}: out of memory while ") for m in messages), messages
     assert f"{path}: out of memory while loading the checkpoint" in messages, messages
+
+
+SURJO_SCRIPT = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import cism.surjo
+from reference import surjo as ref
+from cism.surjo import Config, Model
+
+fields = dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=64, vocab=101, context=60000,
+              prelude=1, groups=2, per_xsa=2, coda=1, passes=2, gdn_v_heads=4, gdn_k_dim=12,
+              gdn_v_dim=10, conv_kernel=4)
+model = Model(Config(**fields), ref.random_weights(ref.make_config(**fields), 0), "int8", 2,
+              kv_precision=sys.argv[1])
+want = model.create_session([1, 2, 3], 8).next_tokens(8)      # starts the OpenMP threads too
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+big = model.create_session([1, 2, 3], 59000)   # 6 XSA slots x 59k positions x 128 floats x 2
+out = {}
+try:
+    big.next_tokens(1)
+    out["session"] = "ok"
+except MemoryError as e:
+    out["session"] = str(e)
+out["big_finish"] = big.finish_reason
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+out["same_after"] = model.create_session([1, 2, 3], 8).next_tokens(8) == want
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_out_of_memory_in_a_surjo_session(kv):
+    """A Surjo session whose XSA slots (either precision) cannot be had:
+    a MemoryError naming the step, the session cancelled, the process and
+    the model fine afterwards."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", SURJO_SCRIPT, kv, tests], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["session"].startswith("out of memory") and "cancelled" in out["session"], out
+    assert out["big_finish"] == "cancelled" and out["same_after"], out
