@@ -468,6 +468,7 @@ cdef inline float softplus(float x) noexcept nogil:
 cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st, size_t slot,
                        size_t g, size_t pos, int tid) noexcept nogil:
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
+    cdef const cism_kernels *K = kernel_table()
     cdef size_t hd = m.head_dim, half = hd // 2, h, j
     cdef float *q = w.q + g * m.q_width
     cdef float *k = w.k + g * m.kv_width
@@ -493,7 +494,7 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
     for h in range(m.kv_heads):
-        kv_store(kernel_table(), &st.kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+        kv_store(K, &st.kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
 
 
 cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
@@ -801,6 +802,10 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
 
 # --------------------------------------------------------------- sessions ---
 
+cdef inline size_t slot_elem_bytes(const ModelC *m) noexcept nogil:
+    return 2 if m.kv_f16 else 4
+
+
 cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil:
     """Empty KV slots (keys zeroed, so the lanes of a last key tile past the
     written positions hold zeros), zero GDN states and FIFOs (once per
@@ -814,7 +819,7 @@ cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil
     st.kv.kv_width = m.kv_width
     st.kv.kv_heads = m.kv_heads
     st.kv.head_dim = m.head_dim
-    st.kv.esize = 2 if m.kv_f16 else 4
+    st.kv.esize = slot_elem_bytes(m)
     st.kv.keys_mem = calloc(m.n_slots * tiles * 16 * m.kv_width * st.kv.esize + 64, 1)
     st.kv.values = <char*>malloc(m.n_slots * capacity * m.kv_width * st.kv.esize + 64)
     st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
@@ -869,7 +874,7 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
     if capacity > m.context:
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
                          f"({prompt_len} + {max_new} > {m.context})")
-    state_bytes = ((2 if m.kv_f16 else 4) * m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
+    state_bytes = (slot_elem_bytes(m) * m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
                    + 4 * m.n_states * m.state_len)
     if state_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "

@@ -203,6 +203,32 @@ static inline float quant_norm(float *absmax, float qmax) {
     return norm;
 }
 
+/* argmax's rule from index `from` on, given the best index so far (the
+ * reference is cism_argmax_scan(x, 1, n, 0)). */
+static inline size_t cism_argmax_scan(const float *x, size_t from, size_t n, size_t best) {
+    for (size_t i = from; i < n; i++)
+        if (x[best] < x[i]) best = i;
+    return best;
+}
+
+/* The lanes of a vector argmax: lane l holds the first largest of its
+ * elements (value v[l], index ix[l]) or no index (-1); the result is the
+ * largest value's smallest index, 0 if no lane holds one. */
+static inline size_t cism_argmax_lanes(const float *v, const int32_t *ix, int lanes) {
+    size_t best = 0;
+    float top = 0.0f;
+    int found = 0;
+    for (int l = 0; l < lanes; l++) {
+        if (ix[l] < 0) continue;
+        if (!found || top < v[l] || (!(v[l] < top) && (size_t)ix[l] < best)) {
+            top = v[l];
+            best = (size_t)ix[l];
+            found = 1;
+        }
+    }
+    return best;
+}
+
 static inline float cism_reduce16(const float *acc) {
     float s8[8], s4[4];
     for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];

@@ -55,10 +55,7 @@ void cism_sample_use_argmax(cism_argmax_fn const *slot) { argmax_slot = slot; }
 
 size_t cism_argmax(const float *logits, size_t n) {
     if (argmax_slot && *argmax_slot) return (*argmax_slot)(logits, n);
-    size_t best = 0;
-    for (size_t i = 1; i < n; i++)
-        if (logits[best] < logits[i]) best = i;
-    return best;
+    return cism_argmax_scan(logits, 1, n, 0);
 }
 
 /* Sort key: ascending key = descending logit, then ascending index. -0 and

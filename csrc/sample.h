@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"  /* cism_argmax_fn, cism_argmax_scan */
+
 /* std::mt19937_64, exactly (seed 5489 -> first output 14514284786278117030). */
 typedef struct {
     uint64_t mt[312];
@@ -37,7 +39,6 @@ void cism_sampler_free(cism_sampler *s);
  * table's argmax once cism_sample_use_argmax has been given its slot (the
  * table is refilled in place when the ISA level changes, so the slot
  * follows it). */
-typedef size_t (*cism_argmax_fn)(const float *x, size_t n);
 void cism_sample_use_argmax(cism_argmax_fn const *slot);
 size_t cism_argmax(const float *logits, size_t n);
 

@@ -197,12 +197,7 @@ static void softmax_avx2(float *x, size_t n, float scale) {
  * their elements and its index, then the largest value and the smallest
  * index among the lanes that hold it, then the tail in order. */
 static size_t argmax_avx2(const float *x, size_t n) {
-    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) {
-        size_t best = 0;
-        for (size_t i = 1; i < n; i++)
-            if (x[best] < x[i]) best = i;
-        return best;
-    }
+    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) return cism_argmax_scan(x, 1, n, 0);
     __m256 b[4];
     __m256i ix[4], c[4];
     for (int j = 0; j < 4; j++) {
@@ -226,20 +221,8 @@ static size_t argmax_avx2(const float *x, size_t n) {
         _mm256_storeu_ps(bv + 8 * j, b[j]);
         _mm256_storeu_si256((__m256i *)(bi + 8 * j), ix[j]);
     }
-    size_t best = 0;
-    float top = -INFINITY;
-    int found = 0;
-    for (int l = 0; l < 32; l++) {
-        if (bi[l] < 0) continue;
-        if (!found || top < bv[l] || (!(bv[l] < top) && (size_t)bi[l] < best)) {
-            top = bv[l];
-            best = (size_t)bi[l];
-            found = 1;
-        }
-    }
-    for (; i < n; i++)
-        if (x[best] < x[i]) best = i;
-    return best;
+    /* the tail, in order, against the lanes' winner (or index 0) */
+    return cism_argmax_scan(x, i, n, cism_argmax_lanes(bv, bi, 32));
 }
 
 void cism_fill_act_avx2(cism_kernels *k) {

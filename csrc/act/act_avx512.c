@@ -177,12 +177,7 @@ static void softmax_avx512(float *x, size_t n, float scale) {
  * with no index: if no element beats -inf, every element is -inf or NaN
  * and the reference keeps index 0. Indices are 32-bit (n < 2^31). */
 static size_t argmax_avx512(const float *x, size_t n) {
-    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) {
-        size_t best = 0;
-        for (size_t i = 1; i < n; i++)
-            if (x[best] < x[i]) best = i;
-        return best;
-    }
+    if (n < 64 || n >= ((size_t)1 << 31) || x[0] != x[0]) return cism_argmax_scan(x, 1, n, 0);
     const __m512i step = _mm512_set1_epi32(32), none = _mm512_set1_epi32(-1);
     __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;
     __m512i i0 = none, i1 = none;
@@ -205,21 +200,8 @@ static size_t argmax_avx512(const float *x, size_t n) {
     _mm512_storeu_ps(bv + 16, b1);
     _mm512_storeu_si512((void *)bi, i0);
     _mm512_storeu_si512((void *)(bi + 16), i1);
-    size_t best = 0;
-    float top = -INFINITY;
-    int found = 0;
-    for (int l = 0; l < 32; l++) {
-        if (bi[l] < 0) continue;
-        if (!found || top < bv[l] || (!(bv[l] < top) && (size_t)bi[l] < best)) {
-            top = bv[l];
-            best = (size_t)bi[l];
-            found = 1;
-        }
-    }
     /* the tail, in order, against the lanes' winner (or index 0) */
-    for (; i < n; i++)
-        if (x[best] < x[i]) best = i;
-    return best;
+    return cism_argmax_scan(x, i, n, cism_argmax_lanes(bv, bi, 32));
 }
 
 void cism_fill_act_avx512(cism_kernels *k) {

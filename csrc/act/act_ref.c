@@ -132,12 +132,7 @@ static void softmax_ref(float *x, size_t n, float scale) {
     for (size_t t = 0; t < n; t++) x[t] = x[t] / sum;
 }
 
-static size_t argmax_ref(const float *x, size_t n) {
-    size_t best = 0;
-    for (size_t i = 1; i < n; i++)
-        if (x[best] < x[i]) best = i;
-    return best;
-}
+static size_t argmax_ref(const float *x, size_t n) { return cism_argmax_scan(x, 1, n, 0); }
 
 void cism_fill_act_ref(cism_kernels *k) {
     k->exp = exp_ref;
