@@ -111,6 +111,7 @@ cdef extern from "kernels.h" nogil:
         int avx512bf16, amx_bf16, amx_int8
         int os_avx, os_avx512, os_amx
         int amx_granted
+        int avx512vbmi
 
     int cism_init()
     const cism_kernels *cism_table()

@@ -161,6 +161,7 @@ typedef struct cism_cpu {
     int avx512bf16, amx_bf16, amx_int8;
     int os_avx, os_avx512, os_amx;
     int amx_granted; /* Linux let this process use the tile state (ARCH_REQ_XCOMP_PERM) */
+    int avx512vbmi;  /* vpermb: the amx level's fp4 lookups (every AMX CPU has it) */
 } cism_cpu;
 
 /* Fill the table once (idempotent): every slot gets the reference kernel,

@@ -597,8 +597,15 @@ ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
     /* fp4: byte k holds elements 2k (low nibble) and 2k + 1 (high); block
      * c's 8 bytes go to qword 2c shifted by 0 and qword 2c + 1 shifted by 4 */
     const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x);
-    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4)), low4);
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased)), nib);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2_biased));
+    const __m512i shifted = _mm512_srlv_epi64(z, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4));
+#ifdef __AVX512VBMI__
+    /* vpermb reads an index's low 6 bits; the table repeats every 16 */
+    (void)low4;
+    return _mm512_permutexvar_epi8(shifted, table);
+#else
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(shifted, low4));
+#endif
 }
 
 /* Activation unit u of token row a in the weights' byte order. */
@@ -806,10 +813,22 @@ ALWAYS_INLINE void decode_nq8(const int S, const int VNNI, const cism_mat *W, si
         __m512i v[8];
         for (int i = 0; i < 8; i++) {
             const __m512i x = _mm512_loadu_si512((const void *)(rows[i] + 32 * u));
-            __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+            __m512i lo, hi;
+#ifdef __AVX512VBMI__
             if (S == CISM_FP4) {
-                lo = _mm512_shuffle_epi8(table, lo);
-                hi = _mm512_shuffle_epi8(table, hi);
+                /* vpermb looks at an index's low 6 bits and the table
+                 * repeats every 16 entries: no masks */
+                lo = _mm512_permutexvar_epi8(x, table);
+                hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(x, 4), table);
+            } else
+#endif
+            {
+                lo = _mm512_and_si512(x, low4);
+                hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+                if (S == CISM_FP4) {
+                    lo = _mm512_shuffle_epi8(table, lo);
+                    hi = _mm512_shuffle_epi8(table, hi);
+                }
             }
             v[i] = dot4_acc(VNNI, dot4_acc(VNNI, start, lo, alo), hi, ahi);
         }
@@ -1061,13 +1080,24 @@ ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t
             } else {
                 /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2));
+#ifdef __AVX512VBMI__
+                /* vpermb reads an index's low 6 bits and the table repeats
+                 * every 16: the nibbles need no masks */
+                const __m256i lo = x, hi = _mm256_srli_epi16(x, 4);
+#else
                 const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi8(15));
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
+#endif
                 /* [0-15 | 32-47] and [16-31 | 48-63] -> element order */
                 const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)),
                                                      _mm256_unpackhi_epi8(lo, hi), 1);
                 const __m512i nib = _mm512_shuffle_i64x2(z, z, 0xd8);
-                v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2)), nib);
+#ifdef __AVX512VBMI__
+                v = _mm512_permutexvar_epi8(nib, table);
+#else
+                v = _mm512_shuffle_epi8(table, nib);
+#endif
             }
             _mm512_store_si512((void *)(o + 64 * u), v);
         }
