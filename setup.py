@@ -43,7 +43,7 @@ ISA_FLAGS = {
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                    "-mavx512dq", "-mavx512vnni"],
     "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+            "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mgfni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
             "-mamx-int8"],
 }
 # Kernel sources: (path, ISA). x86 variants are skipped on other machines.

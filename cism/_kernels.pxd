@@ -112,6 +112,7 @@ cdef extern from "kernels.h" nogil:
         int os_avx, os_avx512, os_amx
         int amx_granted
         int avx512vbmi
+        int gfni
 
     int cism_init()
     const cism_kernels *cism_table()

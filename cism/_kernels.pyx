@@ -70,7 +70,7 @@ def cpu_features():
         "avx2": bool(c.avx2), "fma": bool(c.fma), "f16c": bool(c.f16c),
         "avx512f": bool(c.avx512f), "avx512bw": bool(c.avx512bw),
         "avx512vl": bool(c.avx512vl), "avx512dq": bool(c.avx512dq),
-        "avx512vnni": bool(c.avx512vnni), "avx512vbmi": bool(c.avx512vbmi),
+        "avx512vnni": bool(c.avx512vnni), "avx512vbmi": bool(c.avx512vbmi), "gfni": bool(c.gfni),
         "avx_vnni": bool(c.avx_vnni),
         "amx_tile (OS state)": bool(c.amx_tile),
         "avx512_bf16": bool(c.avx512bf16), "amx_bf16": bool(c.amx_bf16), "amx_int8": bool(c.amx_int8),

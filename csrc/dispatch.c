@@ -65,6 +65,7 @@ static void detect(void) {
         cpu.avx512vl = (b >> 31) & 1;
         cpu.avx512vnni = (c >> 11) & 1;
         cpu.avx512vbmi = (c >> 1) & 1;
+        cpu.gfni = (c >> 8) & 1;
         cpu.amx_tile = (d >> 24) & 1;
         cpu.amx_bf16 = (d >> 22) & 1;
         cpu.amx_int8 = (d >> 25) & 1;
@@ -73,7 +74,7 @@ static void detect(void) {
         cpu.avx512bf16 = (a >> 5) & 1;
     }
     if (!cpu.os_avx) cpu.avx2 = cpu.fma = cpu.f16c = 0;
-    if (!cpu.os_avx512) cpu.avx512f = cpu.avx512dq = cpu.avx512bw = cpu.avx512vl = cpu.avx512vnni = cpu.avx512vbmi = 0;
+    if (!cpu.os_avx512) cpu.avx512f = cpu.avx512dq = cpu.avx512bw = cpu.avx512vl = cpu.avx512vnni = cpu.avx512vbmi = cpu.gfni = 0;
     if (!cpu.os_avx) cpu.avx_vnni = 0;
     if (!cpu.os_avx512) cpu.avx512bf16 = 0;
     if (!cpu.os_amx) cpu.amx_tile = cpu.amx_bf16 = cpu.amx_int8 = 0;
@@ -88,7 +89,7 @@ static void detect(void) {
     if (level_max == CISM_ISA_AVX2 && cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq)
         level_max = CISM_ISA_AVX512;
     if (level_max == CISM_ISA_AVX512 && cpu.avx512vnni) level_max = CISM_ISA_AVX512VNNI;
-    if (level_max == CISM_ISA_AVX512VNNI && cpu.amx_granted && cpu.avx512vbmi) level_max = CISM_ISA_AMX;
+    if (level_max == CISM_ISA_AVX512VNNI && cpu.amx_granted && cpu.avx512vbmi && cpu.gfni) level_max = CISM_ISA_AMX;
 #endif
 }
 

@@ -162,6 +162,7 @@ typedef struct cism_cpu {
     int os_avx, os_avx512, os_amx;
     int amx_granted; /* Linux let this process use the tile state (ARCH_REQ_XCOMP_PERM) */
     int avx512vbmi;  /* vpermb: the amx level's fp4 lookups (every AMX CPU has it) */
+    int gfni;        /* vgf2p8affineqb: the amx level's int4 nibbles (likewise) */
 } cism_cpu;
 
 /* Fill the table once (idempotent): every slot gets the reference kernel,

@@ -584,16 +584,43 @@ ALWAYS_INLINE void tile_i8q8(const int VNNI, const int R, const int TT, const ci
  * a block is free. The chain then runs over the blocks with c_b =
  * wscale_b * ascale_b (one rounding), dots in lanes as for int8. */
 
+#ifdef __GFNI__
+/* vgf2p8affineqb computes each byte as an 8x8 bit matrix (the qword at the
+ * same place, result bit i from the matrix's byte 7 - i) times the byte,
+ * plus a constant: these pick a nibble as 0..15 (constant 0), or as the
+ * signed byte code - 8 (constant 0xf8: bits 3-7 are the nibble's top bit
+ * flipped, bits 0-2 its low bits), in one instruction. */
+#define NIB_LO_U 0x0102040800000000LL
+#define NIB_HI_U 0x1020408000000000LL
+#define NIB_LO_S 0x0102040808080808LL
+#define NIB_HI_S 0x1020408080808080LL
+#endif
+
+/* Unit u of an int4 row: [block 2u | block 2u + 1], each [elements 0-15 (the
+ * low nibbles of its 16 bytes) | 16-31 (the high ones)], as unsigned codes
+ * or (SIGNED) as code - 8. */
+ALWAYS_INLINE __m512i int4_unit(const int SIGNED, const uint8_t *codes, size_t u) {
+    const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
+    /* qwords [b0, b0, b1, b1], each block's low then high nibbles */
+    const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), x);
+#ifdef __GFNI__
+    if (SIGNED)
+        return _mm512_gf2p8affine_epi64_epi8(
+            z, _mm512_setr_epi64(NIB_LO_S, NIB_LO_S, NIB_HI_S, NIB_HI_S, NIB_LO_S, NIB_LO_S, NIB_HI_S, NIB_HI_S), 0xf8);
+    return _mm512_gf2p8affine_epi64_epi8(
+        z, _mm512_setr_epi64(NIB_LO_U, NIB_LO_U, NIB_HI_U, NIB_HI_U, NIB_LO_U, NIB_LO_U, NIB_HI_U, NIB_HI_U), 0);
+#else
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                                       _mm512_set1_epi8(15));
+    return SIGNED ? _mm512_sub_epi8(c, _mm512_set1_epi8(8)) : c;
+#endif
+}
+
 /* Unit u of a 4-bit row as unsigned bytes (see above). */
 ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
     const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
     const __m512i low4 = _mm512_set1_epi8(15);
-    if (S == CISM_INT4) {
-        /* block c's 16 bytes hold element t in the low nibble and t + 16 in
-         * the high one: qwords [b0, b0, b1, b1] shifted by 0 or 4 */
-        const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), x);
-        return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), low4);
-    }
+    if (S == CISM_INT4) return int4_unit(0, codes, u);
     /* fp4: byte k holds elements 2k (low nibble) and 2k + 1 (high); block
      * c's 8 bytes go to qword 2c shifted by 0 and qword 2c + 1 shifted by 4 */
     const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x);
@@ -824,7 +851,11 @@ ALWAYS_INLINE void decode_nq8(const int S, const int VNNI, const cism_mat *W, si
 #endif
             {
                 lo = _mm512_and_si512(x, low4);
+#ifdef __GFNI__
+                hi = _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64(NIB_HI_U), 0);
+#else
                 hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+#endif
                 if (S == CISM_FP4) {
                     lo = _mm512_shuffle_epi8(table, lo);
                     hi = _mm512_shuffle_epi8(table, hi);
@@ -1076,7 +1107,7 @@ ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t
         for (size_t u = 0; u < units; u++) {
             __m512i v;
             if (S == CISM_INT4) {
-                v = _mm512_sub_epi8(nib_unit_u8(CISM_INT4, row, u), _mm512_set1_epi8(8));
+                v = int4_unit(1, row, u);
             } else {
                 /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
