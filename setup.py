@@ -42,9 +42,10 @@ ISA_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                    "-mavx512dq", "-mavx512vnni"],
+    # every AMX CPU also has AVX512-VBMI and GFNI (fp4 lookups, int4 nibbles)
     "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mgfni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-            "-mamx-int8"],
+            "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mgfni", "-mavx512bf16",
+            "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
 # Kernel sources: (path, ISA). x86 variants are skipped on other machines.
 KERNEL_SOURCES = [
