@@ -1067,35 +1067,55 @@ ALWAYS_INLINE void axpy_pass_avx2(const int H, const int QN, const float *P, siz
 /* Scores of nq queries against a key tile (kernels.h): keys in lanes, 8 at
  * a time. The lane chains of the canonical dot go in pairs (l, l + 8), whose
  * sum is the tree's first level, so 8 partial sums live at once instead of
- * 16 accumulators; the rest of the tree is vertical adds. */
+ * 16 accumulators; the rest of the tree is vertical adds. Up to four
+ * queries go together (scores16_qn). */
 ALWAYS_INLINE __m256 key_row8(const int H, const void *Kt, size_t e, size_t h) {
     return H ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)Kt + 16 * e + h)))
              : _mm256_loadu_ps((const float *)Kt + 16 * e + h);
 }
 
-ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t nq, const void *Kt, size_t hd,
-                                float *S, size_t lds, size_t nk) {
-    for (size_t i = 0; i < nq; i++) {
-        const float *q = Q + i * ldq;
-        for (size_t h = 0; h < nk; h += 8) {
-            __m256 s8[8];
-            for (int l = 0; l < 8; l++) {
-                __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-                for (size_t e = (size_t)l; e < hd; e += 16)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), key_row8(H, Kt, e, h), a);
-                for (size_t e = (size_t)l + 8; e < hd; e += 16)
-                    b = _mm256_fmadd_ps(_mm256_set1_ps(q[e]), key_row8(H, Kt, e, h), b);
-                s8[l] = _mm256_add_ps(a, b);
+/* QN (<= 4) queries at once: each key row loaded serves them all. */
+ALWAYS_INLINE void scores16_qn(const int H, const int QN, const float *Q, size_t ldq, const void *Kt, size_t hd,
+                               float *S, size_t lds, size_t nk) {
+    for (size_t h = 0; h < nk; h += 8) {
+        __m256 s8[4][8];
+        for (int l = 0; l < 8; l++) {
+            __m256 a[4], b[4];
+            for (int q = 0; q < QN; q++) a[q] = b[q] = _mm256_setzero_ps();
+            for (size_t e = (size_t)l; e < hd; e += 16) {
+                const __m256 k = key_row8(H, Kt, e, h);
+                for (int q = 0; q < QN; q++) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k, a[q]);
             }
-            for (int l = 0; l < 4; l++) s8[l] = _mm256_add_ps(s8[l], s8[l + 4]);
-            const __m256 r = _mm256_add_ps(_mm256_add_ps(s8[0], s8[2]), _mm256_add_ps(s8[1], s8[3]));
+            for (size_t e = (size_t)l + 8; e < hd; e += 16) {
+                const __m256 k = key_row8(H, Kt, e, h);
+                for (int q = 0; q < QN; q++) b[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k, b[q]);
+            }
+            for (int q = 0; q < QN; q++) s8[q][l] = _mm256_add_ps(a[q], b[q]);
+        }
+        for (int q = 0; q < QN; q++) {
+            for (int l = 0; l < 4; l++) s8[q][l] = _mm256_add_ps(s8[q][l], s8[q][l + 4]);
+            const __m256 r = _mm256_add_ps(_mm256_add_ps(s8[q][0], s8[q][2]), _mm256_add_ps(s8[q][1], s8[q][3]));
             if (nk - h >= 8) {
-                _mm256_storeu_ps(S + i * lds + h, r);
+                _mm256_storeu_ps(S + q * lds + h, r);
             } else {
                 float t[8];
                 _mm256_storeu_ps(t, r);
-                for (size_t j = 0; j < nk - h; j++) S[i * lds + h + j] = t[j];
+                for (size_t j = 0; j < nk - h; j++) S[q * lds + h + j] = t[j];
             }
+        }
+    }
+}
+
+ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t nq, const void *Kt, size_t hd,
+                                float *S, size_t lds, size_t nk) {
+    for (size_t i = 0; i < nq; i += 4) {
+        const float *q = Q + i * ldq;
+        float *o = S + i * lds;
+        switch (nq - i) {
+        case 1: scores16_qn(H, 1, q, ldq, Kt, hd, o, lds, nk); break;
+        case 2: scores16_qn(H, 2, q, ldq, Kt, hd, o, lds, nk); break;
+        case 3: scores16_qn(H, 3, q, ldq, Kt, hd, o, lds, nk); break;
+        default: scores16_qn(H, 4, q, ldq, Kt, hd, o, lds, nk); break;
         }
     }
 }
