@@ -736,20 +736,22 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # group go together (attend_group), a tile of several queries head
         # by head; with fewer than two groups per thread (one sequence, few
         # KV heads), one (tile, head) per item instead, for balance. Later
-        # tiles attend over more positions, hence the dynamic schedule.
+        # tiles attend over more positions, hence the dynamic schedule. Items
+        # go KV group (or head) first, tiles within it, so consecutive items
+        # read the same keys and values (a long prompt's stay in L2).
         if split:
             attend_split(m, K, w, l, &kvs[w.seq_of[0]], nt)
         else:
             for r in prange(items, num_threads=ntH, schedule='dynamic'):
-                g = w.tile_of[r // per_tile]
-                nq = (w.tile_of[r // per_tile + 1] if r // per_tile + 1 < ntiles else T) - g
+                g = w.tile_of[r % ntiles]
+                nq = (w.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
                 sc = w.scores + threadid() * QTILE * w.score_cap
                 if per_tile == m.heads:
-                    attend(m, K, w, l, g, nq, r % per_tile, &kvs[w.seq_of[g]], sc)
+                    attend(m, K, w, l, g, nq, r // ntiles, &kvs[w.seq_of[g]], sc)
                 elif nq == 1:
-                    attend_group(m, K, w, l, g, r % per_tile, &kvs[w.seq_of[g]], sc)
+                    attend_group(m, K, w, l, g, r // ntiles, &kvs[w.seq_of[g]], sc)
                 else:
-                    for h in range((r % per_tile) * group, (r % per_tile + 1) * group):
+                    for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
                         attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
