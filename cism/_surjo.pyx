@@ -733,15 +733,16 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
                 xsa_qk_store(m, w, L, st, slot, g, pos0 + g, threadid())
             # causal GQA attention and the value projection, one (token, head) per item
             # (query tiles of QTILE tokens; later tiles see more positions,
-            # hence the dynamic schedule)
+            # hence the dynamic schedule; head first, so consecutive items
+            # read the same keys and values)
             if T == 1 and (nt == 1 or m.kv_heads >= 2 * <size_t>nt):
                 # a lone token: the heads of a KV group as one tile
                 for r in prange(m.kv_heads, num_threads=ntH, schedule='static'):
                     xsa_attend_group(m, K, w, st, slot, r, pos0, w.scores + threadid() * QTILE * w.score_cap)
             else:
                 for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
-                    g = (r // m.heads) * QTILE
-                    xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r % m.heads,
+                    g = (r % ntiles) * QTILE
+                    xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r // ntiles,
                                pos0 + g, w.scores + threadid() * QTILE * w.score_cap)
             if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
