@@ -149,7 +149,9 @@ def tensor_bytes(path):
 
 def llama_rates(path, threads, prompt, decode_tokens, repeats):
     from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=threads,
+    # the context holds the longest of the prompt and the decode run
+    n_ctx = max(1024, prompt, 16 + decode_tokens) + 16
+    llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False, logits_all=False)
     rng = np.random.default_rng(0)
     dec, pre = [], []
