@@ -215,8 +215,11 @@ static size_t argmax_avx2(const float *x, size_t n) {
             ix[j] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ix[j]), _mm256_castsi256_ps(c[j]), g));
             c[j] = _mm256_add_epi32(c[j], step);
         }
-    float bv[32];
-    int32_t bi[32];
+    /* explicitly aligned: GCC aligns such arrays to 64 bytes anyway and
+     * then stores with vmovaps, but AddressSanitizer's fake stack frames
+     * (detect_stack_use_after_return) honour only declared alignments */
+    __attribute__((aligned(64))) float bv[32];
+    __attribute__((aligned(64))) int32_t bi[32];
     for (int j = 0; j < 4; j++) {
         _mm256_storeu_ps(bv + 8 * j, b[j]);
         _mm256_storeu_si256((__m256i *)(bi + 8 * j), ix[j]);

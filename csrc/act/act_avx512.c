@@ -194,8 +194,11 @@ static size_t argmax_avx512(const float *x, size_t n) {
         c0 = _mm512_add_epi32(c0, step);
         c1 = _mm512_add_epi32(c1, step);
     }
-    float bv[32];
-    int32_t bi[32];
+    /* explicitly aligned: GCC aligns such arrays to 64 bytes anyway and
+     * then stores with vmovaps, but AddressSanitizer's fake stack frames
+     * (detect_stack_use_after_return) honour only declared alignments */
+    __attribute__((aligned(64))) float bv[32];
+    __attribute__((aligned(64))) int32_t bi[32];
     _mm512_storeu_ps(bv, b0);
     _mm512_storeu_ps(bv + 16, b1);
     _mm512_storeu_si512((void *)bi, i0);
