@@ -1398,9 +1398,9 @@ ALWAYS_INLINE __m512 key_row16(const int H, const void *Kt, size_t e) {
 /* Four queries against a key tile, the dot's 16 lanes in four passes of
  * four (lanes 4p..4p+3 of the four queries: 16 accumulators), so each key
  * row loaded serves four queries, not one. The passes go 0, 2, 1, 3, and
- * the reduction tree's first level (lane l + lane l + 8) is taken as soon
- * as both of its lanes are done, the rest at the end: the same additions
- * in the same order as for one query alone. */
+ * the reduction tree's first level (lane l plus lane l + 8) is taken as
+ * soon as both of its lanes are done, the rest at the end: the same
+ * additions in the same order as for one query alone. */
 ALWAYS_INLINE void scores16_q4(const int H, const float *Q, size_t ldq, const void *Kt, size_t hd, float *S,
                                size_t lds, __mmask16 m) {
     __attribute__((aligned(64))) float part[2][4][4][16]; /* [pass pair][query][lane][key] */
