@@ -456,7 +456,7 @@ cdef inline void kv_shape(KV *kv, const ModelC *m, size_t capacity) noexcept nog
     kv.esize = kv_elem_bytes(m)
 
 
-DEF QTILE = 8  # queries of one sequence attended together (scores16 takes them four at a time)
+DEF QTILE = 16  # queries of one sequence attended together (scores16 takes them four at a time)
 DEF SPLIT_MIN_SPAN = 256  # a lone decode token attends in phases (attend_split) from here on
 DEF SPLIT_COLS = 32       # value columns per work item of attend_split's weighted sums
 

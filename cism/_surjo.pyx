@@ -56,7 +56,7 @@ MAX_SPEC_K = MAX_K
 DEF ROPE_TABLE_MAX = 32768
 # Conv channels per parallel work item: one cache line of floats per token row.
 DEF CONV_BLOCK = 16
-DEF QTILE = 8  # queries attended together (scores16 takes them four at a time)
+DEF QTILE = 16  # queries attended together (scores16 takes them four at a time)
 # Below about this many multiply-adds a parallel region costs more than it
 # saves (the figure cism.matrix uses); small loops run on the calling thread.
 DEF PARALLEL_MIN_WORK = 65536

@@ -86,16 +86,16 @@ def test_thread_count_does_not_change_logits(precision):
     ("fp32", 4, 2, "fp32", 16), ("int8", 4, 2, "fp32", 16), ("hybrid-fp4", 4, 2, "fp32", 16),
     ("fp32", 4, 4, "fp32", 16), ("fp32", 6, 2, "fp32", 16), ("int8", 12, 2, "fp32", 16),
     ("int8", 4, 2, "fp16", 16), ("fp32", 12, 2, "fp16", 16), ("fp32", 6, 2, "fp32", 48),
-    ("fp32", 10, 1, "fp32", 16)])
+    ("fp32", 18, 1, "fp32", 16)])
 def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads, kv, head_dim):
     """Logits after each single-token decode step equal, bit for bit, the
     logits of prefilling the same tokens as one blocked prompt (chunks of 256,
     whose boundary the sequence crosses). Decode attends with the heads of
-    a KV group as one tile (up to 8 at a time; at one thread, or with two
+    a KV group as one tile (up to 16 at a time; at one thread, or with two
     groups per thread), from 256 positions on at two threads in phases
     (attend_split: key tiles and value columns of 32 spread over the
-    threads), prefill head by head in query tiles of up to 8: group sizes
-    1, 2, 3, 6 and 10 (a tile of 8 heads and one of 2), heads of 16 and 48
+    threads), prefill head by head in query tiles of up to 16: group sizes
+    1, 2, 3, 6 and 18 (a tile of 16 heads and one of 2), heads of 16 and 48
     values (a whole and a partial column run)."""
     for threads in (1, 2):
         model = small_model("llama", precision, threads=threads, context=1024, heads=heads, kv_heads=kv_heads,
