@@ -16,6 +16,21 @@ import pytest
 
 from conftest import smollm2_path
 
+# The end of each child script: the capped session `big` takes its first
+# step (where its cache is allocated), then the cap is lifted and `model`
+# must still give `want`.
+BIG_SESSION = r"""
+try:
+    big.next_tokens(1)   # the cache is allocated here
+    out["session"] = "ok"
+except MemoryError as e:
+    out["session"] = str(e)
+out["big_finish"] = big.finish_reason
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+out["same_after"] = model.create_session([1, 2, 3], 8).next_tokens(8) == want
+print(json.dumps(out))
+"""
+
 SCRIPT = r"""
 import json, resource, sys
 import cism
@@ -43,16 +58,7 @@ else:
 want = model.create_session([1, 2, 3], 8).next_tokens(8)      # starts the OpenMP threads too
 cap(16 << 20)
 big = model.create_session([1, 2, 3], model.config.context - 3)
-try:
-    big.next_tokens(1)   # the cache is allocated here
-    out["session"] = "ok"
-except MemoryError as e:
-    out["session"] = str(e)
-out["big_finish"] = big.finish_reason
-resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-out["same_after"] = model.create_session([1, 2, 3], 8).next_tokens(8) == want
-print(json.dumps(out))
-"""
+""" + BIG_SESSION
 
 
 def run_capped(path, headroom_mb, precision="int8"):
@@ -180,16 +186,7 @@ vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].spl
 resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
 big = model.create_session([1, 2, 3], 59000)   # 6 XSA slots x 59k positions x 128 floats x 2
 out = {}
-try:
-    big.next_tokens(1)
-    out["session"] = "ok"
-except MemoryError as e:
-    out["session"] = str(e)
-out["big_finish"] = big.finish_reason
-resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-out["same_after"] = model.create_session([1, 2, 3], 8).next_tokens(8) == want
-print(json.dumps(out))
-"""
+""" + BIG_SESSION
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
