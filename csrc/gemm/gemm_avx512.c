@@ -618,9 +618,8 @@ ALWAYS_INLINE __m512i int4_unit(const int SIGNED, const uint8_t *codes, size_t u
 
 /* Unit u of a 4-bit row as unsigned bytes (see above). */
 ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
-    const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
-    const __m512i low4 = _mm512_set1_epi8(15);
     if (S == CISM_INT4) return int4_unit(0, codes, u);
+    const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + 32 * u)));
     /* fp4: byte k holds elements 2k (low nibble) and 2k + 1 (high); block
      * c's 8 bytes go to qword 2c shifted by 0 and qword 2c + 1 shifted by 4 */
     const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x);
@@ -628,10 +627,9 @@ ALWAYS_INLINE __m512i nib_unit_u8(const int S, const uint8_t *codes, size_t u) {
     const __m512i shifted = _mm512_srlv_epi64(z, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4));
 #ifdef __AVX512VBMI__
     /* vpermb reads an index's low 6 bits; the table repeats every 16 */
-    (void)low4;
     return _mm512_permutexvar_epi8(shifted, table);
 #else
-    return _mm512_shuffle_epi8(table, _mm512_and_si512(shifted, low4));
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(shifted, _mm512_set1_epi8(15)));
 #endif
 }
 
