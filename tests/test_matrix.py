@@ -504,9 +504,9 @@ def test_fp16_kv_kernels_are_the_fp32_ones_over_widened_values(isa_level):
     for hd in (16, 17, 64, 80):
         Kt = (r.standard_normal((hd, 16)) * 3).astype(np.float16)
         Q = r.standard_normal((3, hd)).astype(np.float32)
-        P = r.standard_normal((3, 21)).astype(np.float32)
+        P = r.standard_normal((hd // 4 + 3, 21)).astype(np.float32)  # 7 to 23 queries: 6-query passes and tails
         V = (r.standard_normal((21, hd)) * 3).astype(np.float16)
-        O = r.standard_normal((3, hd)).astype(np.float32)
+        O = r.standard_normal((len(P), hd)).astype(np.float32)
         isa_level("ref")
         want_s = _kernels.scores16(Q, Kt.astype(np.float32))
         want_o = _kernels.axpy_tile(P, V.astype(np.float32), O)
@@ -523,7 +523,7 @@ def test_attention_axpy_tile_is_the_axpy_chain_on_every_isa(isa_level):
     ragged query counts, key counts and widths (masked tails), including a
     -0 start that a +0 product must turn into +0 exactly as axpy does."""
     r = rng(13)
-    cases = [(nq, nk, n) for nq in (1, 2, 3, 4, 5, 9) for nk in (0, 1, 7, 33)
+    cases = [(nq, nk, n) for nq in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16) for nk in (0, 1, 7, 33)
              for n in (1, 8, 15, 16, 17, 63, 64, 65, 100, 128)]
     for nq, nk, n in cases:
         P = r.standard_normal((nq, nk)).astype(np.float32)
