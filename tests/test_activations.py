@@ -399,6 +399,11 @@ def score_rows(rng):
     masked[::7] = -np.inf
     rows.append(masked)
     rows.append(np.array([3e38, -3e38, 0.0, -0.0, 1e-45] * 5, F32))
+    # weights down through 2^-100 (where the SIMD levels' quotient turns
+    # from Markstein's correction to a division) to subnormals and zero,
+    # at scale 0.125; and equal scores, whose weights are all 1 / n
+    rows.append((-8 * np.sort(rng.uniform(0, 110, 3000))).astype(F32))
+    rows.append(np.zeros(300, F32))
     return rows
 
 
