@@ -1040,28 +1040,38 @@ ALWAYS_INLINE __m256 load8_h(const uint16_t *p, long left) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
 }
 
-/* Up to 4 queries x 32 columns per pass (16 ymm of O in registers); the
- * last partial vector goes through maskload/maskstore, whose lanes outside
- * the mask read 0 and are not written (H: binary16 values, widened). */
+/* axpy_tile's passes: AXQ queries x 8 * AXV columns, 12 accumulators (+ 2
+ * value vectors and a broadcast: 15 of the 16 ymm). The 4 x 4 passes
+ * before (16 accumulators) spilled. In one process (16 queries, 2048 keys,
+ * head size 64, the host busy): 4 x 4 10.7, 4 x 2 13.7, 6 x 2 14.5 scalar
+ * fmas per TSC tick for fp32 values (+36%), 5.7 and 6.5 for binary16 (11.2
+ * at head size 128, against 5.8). */
+#define AXQ 6
+#define AXV 2
+
+/* Up to QN queries x 8 * AXV columns per pass (QN * AXV ymm of O in
+ * registers); the last partial vector goes through maskload/maskstore,
+ * whose lanes outside the mask read 0 and are not written (H: binary16
+ * values, widened). */
 ALWAYS_INLINE void axpy_pass_avx2(const int H, const int QN, const float *P, size_t ldp, const void *V,
                                   size_t ldv, size_t nk, float *O, size_t ldo, size_t c0, size_t n) {
-    __m256 o[4][4];
-    __m256i m[4];
-    for (int v = 0; v < 4; v++) m[v] = lane_mask((long)n - (long)(c0 + 8 * v));
+    __m256 o[AXQ][AXV];
+    __m256i m[AXV];
+    for (int v = 0; v < AXV; v++) m[v] = lane_mask((long)n - (long)(c0 + 8 * v));
     for (int q = 0; q < QN; q++)
-        for (int v = 0; v < 4; v++) o[q][v] = _mm256_maskload_ps(O + q * ldo + c0 + 8 * v, m[v]);
+        for (int v = 0; v < AXV; v++) o[q][v] = _mm256_maskload_ps(O + q * ldo + c0 + 8 * v, m[v]);
     for (size_t k = 0; k < nk; k++) {
-        __m256 x[4];
-        for (int v = 0; v < 4; v++)
+        __m256 x[AXV];
+        for (int v = 0; v < AXV; v++)
             x[v] = H ? load8_h((const uint16_t *)V + k * ldv + c0 + 8 * v, (long)n - (long)(c0 + 8 * v))
                      : _mm256_maskload_ps((const float *)V + k * ldv + c0 + 8 * v, m[v]);
         for (int q = 0; q < QN; q++) {
             const __m256 a = _mm256_set1_ps(P[q * ldp + k]);
-            for (int v = 0; v < 4; v++) o[q][v] = _mm256_fmadd_ps(a, x[v], o[q][v]);
+            for (int v = 0; v < AXV; v++) o[q][v] = _mm256_fmadd_ps(a, x[v], o[q][v]);
         }
     }
     for (int q = 0; q < QN; q++)
-        for (int v = 0; v < 4; v++) _mm256_maskstore_ps(O + q * ldo + c0 + 8 * v, m[v], o[q][v]);
+        for (int v = 0; v < AXV; v++) _mm256_maskstore_ps(O + q * ldo + c0 + 8 * v, m[v], o[q][v]);
 }
 
 /* Scores of nq queries against a key tile (kernels.h): keys in lanes, 8 at
@@ -1148,15 +1158,17 @@ static void to_f16_avx2(const float *x, size_t n, uint16_t *out, size_t stride) 
 
 ALWAYS_INLINE void axpy_tile_tpl(const int H, const float *P, size_t ldp, size_t nq, const void *V, size_t ldv,
                                  size_t nk, float *O, size_t ldo, size_t n) {
-    for (size_t q = 0; q < nq; q += 4) {
+    for (size_t q = 0; q < nq; q += AXQ) {
         const float *Pq = P + q * ldp;
         float *Oq = O + q * ldo;
-        for (size_t c0 = 0; c0 < n; c0 += 32) {
+        for (size_t c0 = 0; c0 < n; c0 += 8 * AXV) {
             switch (nq - q) {
             case 1: axpy_pass_avx2(H, 1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             case 2: axpy_pass_avx2(H, 2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             case 3: axpy_pass_avx2(H, 3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            default: axpy_pass_avx2(H, 4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 4: axpy_pass_avx2(H, 4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 5: axpy_pass_avx2(H, 5, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            default: axpy_pass_avx2(H, AXQ, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             }
         }
     }

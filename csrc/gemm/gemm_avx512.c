@@ -1374,9 +1374,11 @@ ALWAYS_INLINE void axpy_tile_tpl(const int H, const float *P, size_t ldp, size_t
         float *Oq = O + q * ldo;
         for (size_t c0 = 0; c0 < n; c0 += 16 * AXV) {
             switch (nq - q) {
-#define AXC(N) case N: axpy_pass_avx512(H, N, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            AXC(1) AXC(2) AXC(3) AXC(4) AXC(5)
-#undef AXC
+            case 1: axpy_pass_avx512(H, 1, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 2: axpy_pass_avx512(H, 2, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 3: axpy_pass_avx512(H, 3, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 4: axpy_pass_avx512(H, 4, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
+            case 5: axpy_pass_avx512(H, 5, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             default: axpy_pass_avx512(H, AXQ, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
             }
         }
