@@ -1092,13 +1092,19 @@ ALWAYS_INLINE void scores16_qn(const int H, const int QN, const float *Q, size_t
         for (int l = 0; l < 8; l++) {
             __m256 a[4], b[4];
             for (int q = 0; q < QN; q++) a[q] = b[q] = _mm256_setzero_ps();
-            for (size_t e = (size_t)l; e < hd; e += 16) {
-                const __m256 k = key_row8(H, Kt, e, h);
-                for (int q = 0; q < QN; q++) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k, a[q]);
+            /* lane l's chain (a) and lane l + 8's (b) side by side: twice
+             * the independent fmas in flight, each chain in its order */
+            size_t e = (size_t)l;
+            for (; e + 8 < hd; e += 16) {
+                const __m256 k0 = key_row8(H, Kt, e, h), k1 = key_row8(H, Kt, e + 8, h);
+                for (int q = 0; q < QN; q++) {
+                    a[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k0, a[q]);
+                    b[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e + 8]), k1, b[q]);
+                }
             }
-            for (size_t e = (size_t)l + 8; e < hd; e += 16) {
-                const __m256 k = key_row8(H, Kt, e, h);
-                for (int q = 0; q < QN; q++) b[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k, b[q]);
+            if (e < hd) {
+                const __m256 k0 = key_row8(H, Kt, e, h);
+                for (int q = 0; q < QN; q++) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(Q[q * ldq + e]), k0, a[q]);
             }
             for (int q = 0; q < QN; q++) s8[q][l] = _mm256_add_ps(a[q], b[q]);
         }
