@@ -399,7 +399,7 @@ def score_rows(rng):
     masked[::7] = -np.inf
     rows.append(masked)
     rows.append(np.array([3e38, -3e38, 0.0, -0.0, 1e-45] * 5, F32))
-    # weights down through 2^-100 (where the SIMD levels' quotient turns
+    # weights down through 2^-100 (where the AVX-512 level's quotient turns
     # from Markstein's correction to a division) to subnormals and zero,
     # at scale 0.125; and equal scores, whose weights are all 1 / n
     rows.append((-8 * np.sort(rng.uniform(0, 110, 3000))).astype(F32))

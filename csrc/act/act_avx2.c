@@ -13,7 +13,6 @@
 #include "../kernels.h"
 
 #include <immintrin.h>
-#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -144,16 +143,6 @@ static inline float sum_tree(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
-/* x / sum as a correctly rounded Markstein quotient (act_avx512.c's
- * weight16 says why it is the division's bits); lanes with q < 2^-100
- * divide. */
-static inline __m256 weight8(__m256 x, __m256 sum, __m256 y) {
-    const __m256 q = _mm256_mul_ps(x, y);
-    const __m256 q2 = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, sum, x), y, q);
-    const __m256 small = _mm256_cmp_ps(q, _mm256_set1_ps(0x1p-100f), _CMP_LT_OQ);
-    return _mm256_movemask_ps(small) ? _mm256_blendv_ps(q2, _mm256_div_ps(x, sum), small) : q2;
-}
-
 static void softmax_avx2(float *x, size_t n, float scale) {
     const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
     const size_t full = n & ~(size_t)15, rem = n - full;
@@ -196,17 +185,7 @@ static void softmax_avx2(float *x, size_t n, float scale) {
         slo = _mm256_add_ps(slo, a);
         shi = _mm256_add_ps(shi, b);
     }
-    const float total = sum_tree(slo, shi);
-    const __m256 sum = _mm256_set1_ps(total);
-    if (total >= 1.0f && total <= FLT_MAX) {
-        const __m256 y = _mm256_div_ps(_mm256_set1_ps(1.0f), sum);
-        for (size_t i = 0; i < full; i += 8) _mm256_storeu_ps(x + i, weight8(_mm256_loadu_ps(x + i), sum, y));
-        if (rem) {
-            _mm256_maskstore_ps(xt, klo, weight8(_mm256_maskload_ps(xt, klo), sum, y));
-            _mm256_maskstore_ps(xt + 8, khi, weight8(_mm256_maskload_ps(xt + 8, khi), sum, y));
-        }
-        return;
-    }
+    const __m256 sum = _mm256_set1_ps(sum_tree(slo, shi));
     for (size_t i = 0; i < full; i += 8) _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
     if (rem) {
         _mm256_maskstore_ps(xt, klo, _mm256_div_ps(_mm256_maskload_ps(xt, klo), sum));
