@@ -1042,10 +1042,9 @@ ALWAYS_INLINE __m256 load8_h(const uint16_t *p, long left) {
 
 /* axpy_tile's passes: AXQ queries x 8 * AXV columns, 12 accumulators (+ 2
  * value vectors and a broadcast: 15 of the 16 ymm). The 4 x 4 passes
- * before (16 accumulators) spilled. In one process (16 queries, 2048 keys,
- * head size 64, the host busy): 4 x 4 10.7, 4 x 2 13.7, 6 x 2 14.5 scalar
- * fmas per TSC tick for fp32 values (+36%), 5.7 and 6.5 for binary16 (11.2
- * at head size 128, against 5.8). */
+ * before (16 accumulators) spilled. In one process (16 queries, 512 or
+ * 2048 keys, head size 64 or 128): 6 x 2 against 4 x 4 +12-36% for fp32
+ * values, -10% to +22% for binary16; 4 x 2, 2 x 4 and 3 x 4 no better. */
 #define AXQ 6
 #define AXV 2
 
