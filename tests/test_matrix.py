@@ -503,16 +503,19 @@ def test_fp16_kv_kernels_are_the_fp32_ones_over_widened_values(isa_level):
             assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (isa, stride)
     for hd in (16, 17, 64, 80):
         Kt = (r.standard_normal((hd, 16)) * 3).astype(np.float16)
-        Q = r.standard_normal((3, hd)).astype(np.float32)
+        Q = r.standard_normal((hd % 7 + 1, hd)).astype(np.float32)  # 3, 4, 2, 4 queries, then 1
+        Q1 = Q[:1]
         P = r.standard_normal((hd // 4 + 3, 21)).astype(np.float32)  # 7 to 23 queries: 6-query passes and tails
         V = (r.standard_normal((21, hd)) * 3).astype(np.float16)
         O = r.standard_normal((len(P), hd)).astype(np.float32)
         isa_level("ref")
         want_s = _kernels.scores16(Q, Kt.astype(np.float32))
+        want_1 = _kernels.scores16(Q1, Kt.astype(np.float32))
         want_o = _kernels.axpy_tile(P, V.astype(np.float32), O)
         for isa in ISAS:
             isa_level(isa)
             assert same_bits(_kernels.scores16(Q, Kt), want_s), (isa, hd)
+            assert same_bits(_kernels.scores16(Q1, Kt), want_1), (isa, hd)
             assert same_bits(_kernels.scores16(Q, Kt, 9)[:, :9], want_s[:, :9]), (isa, hd)
             assert same_bits(_kernels.axpy_tile(P, V, O), want_o), (isa, hd)
 

@@ -1403,44 +1403,44 @@ ALWAYS_INLINE __m512 key_row16(const int H, const void *Kt, size_t e) {
              : _mm512_loadu_ps((const float *)Kt + 16 * e);
 }
 
-/* Four queries against a key tile, the dot's 16 lanes in four passes of
- * four (lanes 4p..4p+3 of the four queries: 16 accumulators), so each key
- * row loaded serves four queries, not one. The passes go 0, 2, 1, 3, and
+/* QN <= 4 queries against a key tile, the dot's 16 lanes in four passes
+ * of four (lanes 4p..4p+3 of the QN queries: 4 QN accumulators), so each
+ * key row loaded serves QN queries, not one. The passes go 0, 2, 1, 3, and
  * the reduction tree's first level (lane l plus lane l + 8) is taken as
  * soon as both of its lanes are done, the rest at the end: the same
  * additions in the same order as for one query alone. */
-ALWAYS_INLINE void scores16_q4(const int H, const float *Q, size_t ldq, const void *Kt, size_t hd, float *S,
-                               size_t lds, __mmask16 m) {
+ALWAYS_INLINE void scores16_qn(const int H, const int QN, const float *Q, size_t ldq, const void *Kt, size_t hd,
+                               float *S, size_t lds, __mmask16 m) {
     __attribute__((aligned(64))) float part[2][4][4][16]; /* [pass pair][query][lane][key] */
     static const int order[4] = {0, 2, 1, 3};
     for (int pi = 0; pi < 4; pi++) {
         const int p = order[pi];
         __m512 acc[4][4];
-        for (int q = 0; q < 4; q++)
+        for (int q = 0; q < QN; q++)
             for (int j = 0; j < 4; j++) acc[q][j] = _mm512_setzero_ps();
         size_t e0 = 0;
         for (; e0 + 16 <= hd; e0 += 16)
             for (int j = 0; j < 4; j++) {
                 const size_t e = e0 + 4 * (size_t)p + (size_t)j;
                 const __m512 k = key_row16(H, Kt, e);
-                for (int q = 0; q < 4; q++) acc[q][j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[q * ldq + e]), k, acc[q][j]);
+                for (int q = 0; q < QN; q++) acc[q][j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[q * ldq + e]), k, acc[q][j]);
             }
         for (int j = 0; j < 4; j++) {
             const size_t e = e0 + 4 * (size_t)p + (size_t)j;
             if (e >= hd) break;
             const __m512 k = key_row16(H, Kt, e);
-            for (int q = 0; q < 4; q++) acc[q][j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[q * ldq + e]), k, acc[q][j]);
+            for (int q = 0; q < QN; q++) acc[q][j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[q * ldq + e]), k, acc[q][j]);
         }
         /* passes 0 and 1 (lanes 0-7) wait for 2 and 3 (lanes 8-15) */
         float (*half)[4][16] = part[p & 1];
-        for (int q = 0; q < 4; q++)
+        for (int q = 0; q < QN; q++)
             for (int j = 0; j < 4; j++) {
                 if (p < 2) _mm512_store_ps(half[q][j], acc[q][j]);
                 else _mm512_store_ps(half[q][j], _mm512_add_ps(_mm512_load_ps(half[q][j]), acc[q][j]));
             }
     }
     /* part[0][q][l] = lanes l + (l + 8), part[1][q][l] = lanes (l + 4) + (l + 12) */
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < QN; q++) {
         __m512 c[4];
         for (int l = 0; l < 4; l++) c[l] = _mm512_add_ps(_mm512_load_ps(part[0][q][l]), _mm512_load_ps(part[1][q][l]));
         _mm512_mask_storeu_ps(S + q * lds, m, _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3])));
@@ -1451,7 +1451,14 @@ ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t 
                                 float *S, size_t lds, size_t nk) {
     const __mmask16 m = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);
     size_t i = 0;
-    for (; i + 4 <= nq; i += 4) scores16_q4(H, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+    for (; i + 4 <= nq; i += 4) scores16_qn(H, 4, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+    /* binary16 keys: two or three left (a decode token's KV group of 2 or
+     * 3 heads, say) share each widened key row too (one process, 128 key
+     * tiles: +40-70%); fp32 keys run them one by one, which was faster
+     * there (the passes' partial sums cost more than the loads saved) */
+    if (H && nq - i == 3) scores16_qn(H, 3, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+    if (H && nq - i == 2) scores16_qn(H, 2, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+    if (H && nq - i >= 2) return;
     for (; i < nq; i++) {
         const float *q = Q + i * ldq;
         __m512 acc[16];
