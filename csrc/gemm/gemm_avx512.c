@@ -1454,8 +1454,9 @@ ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t 
     for (; i + 4 <= nq; i += 4) scores16_qn(H, 4, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
     /* binary16 keys: two or three left (a decode token's KV group of 2 or
      * 3 heads, say) share each widened key row too (one process, 128 key
-     * tiles: +40-70%); fp32 keys run them one by one, which was faster
-     * there (the passes' partial sums cost more than the loads saved) */
+     * tiles: +32-68%); fp32 keys run them one by one, which was as fast or
+     * faster there (the passes' partial sums weigh more than the loads
+     * they save, presumably, when no widening is shared) */
     if (H && nq - i == 3) scores16_qn(H, 3, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
     if (H && nq - i == 2) scores16_qn(H, 2, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
     if (H && nq - i >= 2) return;
