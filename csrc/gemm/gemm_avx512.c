@@ -1457,9 +1457,14 @@ ALWAYS_INLINE void scores16_tpl(const int H, const float *Q, size_t ldq, size_t 
      * tiles: +32-68%); fp32 keys run them one by one, which was as fast or
      * faster there (the passes' partial sums weigh more than the loads
      * they save, presumably, when no widening is shared) */
-    if (H && nq - i == 3) scores16_qn(H, 3, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
-    if (H && nq - i == 2) scores16_qn(H, 2, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
-    if (H && nq - i >= 2) return;
+    if (H && nq - i == 3) {
+        scores16_qn(H, 3, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+        return;
+    }
+    if (H && nq - i == 2) {
+        scores16_qn(H, 2, Q + i * ldq, ldq, Kt, hd, S + i * lds, lds, m);
+        return;
+    }
     for (; i < nq; i++) {
         const float *q = Q + i * ldq;
         __m512 acc[16];
