@@ -372,15 +372,15 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
  * rows of the same packed activations), and the fold computes c_b =
  * wscale_b * ascale_b (one rounding, lane = token) before its fma.
  *
- * int4 with one group of at most 16 tokens (batched decode) shares the
- * unpacking with no other group, so int4_q8_amx_group unpacks as it goes:
- * one unit of 16 rows per step, three steps ahead of the tiles, into a
+ * One group of at most 16 tokens (batched decode) shares the unpacking
+ * with no other group, so nq8_amx_group unpacks as it goes: one step (two
+ * blocks) of 16 rows at a time, three steps ahead of the tiles, into a
  * ring of 1 KiB slots, and the steps of every row group run as one
- * pipelined sequence. The whole-row scratch of 16 x 1536 bytes (SmolLM2's
+ * pipelined sequence. The whole-row scratch (16 x 1536 bytes for SmolLM2's
  * down projection) next to 24 KiB of B tiles crowded L1, and each row
- * group's first tile load waited for its unpacking's stores. In-process
- * A/B, one thread, 16 tokens, weights cycling through L3: 3072 x 576
- * 9-14% and 576 x 1536 14-22% less time per call. */
+ * group's first tile load waited for its unpacking's stores. int4, in-
+ * process A/B, one thread, 16 tokens, weights cycling through L3: 3072 x
+ * 576 9-14% and 576 x 1536 14-22% less time per call. */
 
 /* The chain step of blocks b (and b+1), the weight scales of block b at
  * cw (row m's at cw[m * ldc], block b+1's next to them):
@@ -398,30 +398,51 @@ ALWAYS_INLINE void nib_fold(const int S, const int32_t *c, const float *Sg, cons
     }
 }
 
-/* Unit k (blocks 2k, 2k + 1) of 16 int4 rows as signed bytes at slot
- * (row stride 64) and their two block scales at sc (2 per row). Rows past
- * rn are zero: their dots are never stored, and zero codes keep their
- * chains at zero. */
-ALWAYS_INLINE void int4_unit16(const uint8_t *row0, size_t rb, size_t so, size_t rn, size_t k, size_t blocks,
-                               int8_t *slot, float *sc) {
-    if (rn == 16 && 2 * k + 1 < blocks) {
-        for (size_t m = 0; m < 16; m++) {
-            const uint8_t *row = row0 + m * rb;
-            _mm512_store_si512((void *)(slot + 64 * m), int4_unit(1, row, k));
-            memcpy(sc + 2 * m, row + so + 8 * k, 8);
+/* Step k (blocks 2k, 2k + 1) of 16 rows of 4-bit weights as signed bytes
+ * at slot (row stride 64; int4: the 64 bytes of unit k, fp4: 32 bytes)
+ * and the two blocks' scales at sc (2 per row). Rows past rn are zero:
+ * their dots are never stored, and zero codes keep their chains at zero. */
+ALWAYS_INLINE __m256i fp4_step(const uint8_t *row, size_t k) {
+    /* byte j: elements 2j (low nibble) and 2j + 1 (high), interleaved */
+    const __m128i x = _mm_loadu_si128((const __m128i *)(row + 16 * k)), m15 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(x, m15), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m15);
+    const __m256i nib = _mm256_setr_m128i(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)cism_e2m1_x2)), nib);
+}
+ALWAYS_INLINE void nib_row_step(const int S, const uint8_t *row, size_t so, size_t k, int both, int8_t *slot,
+                                float *sc) {
+    if (S == CISM_INT4) {
+        _mm512_store_si512((void *)slot, int4_unit(1, row, k));
+        if (both) {
+            memcpy(sc, row + so + 8 * k, 8);
+        } else {
+            sc[0] = cism_int4_scale(row, so, 2 * k);
+            sc[1] = 0.0f;
         }
+    } else {
+        _mm256_store_si256((__m256i *)slot, fp4_step(row, k));
+        sc[0] = e4m3_half[row[so + 2 * k]];
+        sc[1] = both ? e4m3_half[row[so + 2 * k + 1]] : 0.0f;
+    }
+}
+ALWAYS_INLINE void nib_step16(const int S, const uint8_t *row0, size_t rb, size_t so, size_t rn, size_t k,
+                              size_t blocks, int8_t *slot, float *sc) {
+    const int both = 2 * k + 1 < blocks;
+    if (rn == 16) {
+        for (size_t m = 0; m < 16; m++) nib_row_step(S, row0 + m * rb, so, k, both, slot + 64 * m, sc + 2 * m);
         return;
     }
     for (size_t m = 0; m < 16; m++) {
-        const uint8_t *row = row0 + m * rb;
-        const int live = m < rn;
-        _mm512_store_si512((void *)(slot + 64 * m), live ? int4_unit(1, row, k) : _mm512_setzero_si512());
-        sc[2 * m] = live ? cism_int4_scale(row, so, 2 * k) : 0.0f;
-        sc[2 * m + 1] = live && 2 * k + 1 < blocks ? cism_int4_scale(row, so, 2 * k + 1) : 0.0f;
+        if (m < rn) {
+            nib_row_step(S, row0 + m * rb, so, k, both, slot + 64 * m, sc + 2 * m);
+        } else {
+            _mm512_store_si512((void *)(slot + 64 * m), _mm512_setzero_si512());
+            sc[2 * m] = sc[2 * m + 1] = 0.0f;
+        }
     }
 }
 
-/* A position in int4_q8_amx_group's sequence of steps: unit k of the row
+/* A position in nq8_amx_group's sequence of steps: step k of the row
  * group at r. */
 typedef struct {
     size_t k, r;
@@ -433,22 +454,24 @@ ALWAYS_INLINE void amx_next(amx_pos *p, size_t steps) {
     }
 }
 
-#define I4_SLOTS 4
-/* Rows r0..r1 of int4 weights for one group of up to 16 tokens. The steps
- * of all row groups run as one sequence (row group by row group, unit by
- * unit): each step's unit of 16 rows is unpacked three steps before its
- * tiles load it, into a ring of I4_SLOTS 1 KiB slots, and the tile unit
+#define NIB_SLOTS 4
+/* Rows r0..r1 of 4-bit weights for one group of up to 16 tokens. The
+ * steps (two blocks each) of all row groups run as one sequence, row group
+ * by row group: each step of 16 rows is unpacked three steps before its
+ * tiles load it, into a ring of NIB_SLOTS 1 KiB slots, and the tile unit
  * works on the next step while the vector units fold this one, across
  * row groups too. */
-static void int4_q8_amx_group(const cism_mat *W, size_t r0, size_t r1, const int32_t *Bg, const float *Sg,
-                              size_t T, float *Y, size_t ldy, int32_t *c, int8_t *ring, float *scr) {
-    const size_t blocks = cism_div_up(W->cols, 32), steps = cism_div_up(blocks, 2), rb = W->row_bytes;
+ALWAYS_INLINE void nq8_amx_group(const int S, const cism_mat *W, size_t r0, size_t r1, const int32_t *Bg,
+                                 const float *Sg, size_t T, float *Y, size_t ldy, int32_t *c, int8_t *ring,
+                                 float *scr) {
+    const int KB = S == CISM_INT4 ? 32 : 16;
+    const size_t blocks = cism_div_up(W->cols, (size_t)KB), steps = cism_div_up(blocks, 2), rb = W->row_bytes;
     const size_t so = W->scale_offset, J = cism_div_up(r1 - r0, 16) * steps;
     const uint8_t *codes = (const uint8_t *)W->codes;
-#define SLOT(j) (ring + 1024 * ((j) % I4_SLOTS))
-#define SCL(j) (scr + 32 * ((j) % I4_SLOTS))
+#define SLOT(j) (ring + 1024 * ((j) % NIB_SLOTS))
+#define SCL(j) (scr + 32 * ((j) % NIB_SLOTS))
 #define UNPACK(j, p)                                                                                       \
-    int4_unit16(codes + (p).r * rb, rb, so, r1 - (p).r < 16 ? r1 - (p).r : 16, (p).k, blocks, SLOT(j), SCL(j))
+    nib_step16(S, codes + (p).r * rb, rb, so, r1 - (p).r < 16 ? r1 - (p).r : 16, (p).k, blocks, SLOT(j), SCL(j))
     amx_pos cur = {0, r0}, nxt = {0, r0}, unp = {0, r0};
     for (size_t j = 0; j < 3 && j < J; j++) {
         UNPACK(j, unp);
@@ -456,7 +479,7 @@ static void int4_q8_amx_group(const cism_mat *W, size_t r0, size_t r1, const int
     }
     __m512 acc[16];
     for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
-    q8_issue0(32, SLOT(0), 64, Bg, 0, blocks > 1, c);
+    q8_issue0(KB, SLOT(0), 64, Bg, 0, blocks > 1, c);
     amx_next(&nxt, steps);
     for (size_t j = 0; j < J; j += 2) {
         for (int h = 0; h < 2; h++) {
@@ -469,8 +492,8 @@ static void int4_q8_amx_group(const cism_mat *W, size_t r0, size_t r1, const int
                     _mm_prefetch((const char *)(codes + (r + 16 + m) * rb + 64 * k), _MM_HINT_T0);
             if (i + 1 < J) {
                 const size_t b = 2 * nxt.k;
-                if (h == 0) q8_issue1(32, SLOT(i + 1), 64, Bg, b, b + 1 < blocks, c + 512);
-                else q8_issue0(32, SLOT(i + 1), 64, Bg, b, b + 1 < blocks, c);
+                if (h == 0) q8_issue1(KB, SLOT(i + 1), 64, Bg, b, b + 1 < blocks, c + 512);
+                else q8_issue0(KB, SLOT(i + 1), 64, Bg, b, b + 1 < blocks, c);
                 amx_next(&nxt, steps);
             }
             if (i + 3 < J) {
@@ -479,7 +502,7 @@ static void int4_q8_amx_group(const cism_mat *W, size_t r0, size_t r1, const int
             }
             if (k == 0)
                 for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
-            nib_fold(CISM_INT4, c + 512 * h, Sg, SCL(i), 2, 2 * k, 2 * k + 1 < blocks, acc);
+            nib_fold(S, c + 512 * h, Sg, SCL(i), 2, 2 * k, 2 * k + 1 < blocks, acc);
             if (k + 1 == steps) store_rows16(acc, r1 - r < 16 ? r1 - r : 16, T, Y, ldy, 0, r);
             amx_next(&cur, steps);
         }
@@ -500,12 +523,12 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
     if (r1 <= r0) return;
     const size_t units = cism_div_up(W->cols, 64), blocks = cism_div_up(W->cols, (size_t)KB);
     const size_t groups = cism_div_up(T, 16), kp = 64 * units, ldc = units * (64 / KB), rb = W->row_bytes;
-    /* one token group of int4: the ring of int4_q8_amx_group; else whole
-     * unpacked rows (wb, cw) shared by up to Q8_GROUPS token groups */
-    const int ring = S == CISM_INT4 && groups == 1;
+    /* one token group: the ring of nq8_amx_group; else whole unpacked rows
+     * (wb, cw) shared by up to Q8_GROUPS token groups */
+    const int ring = groups == 1;
     const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
-    const size_t w_bytes = ring ? I4_SLOTS * 1024 : 16 * kp;
-    const size_t c_bytes = ring ? I4_SLOTS * 32 * sizeof(float) : cism_div_up(16 * ldc * sizeof(float), 64) * 64;
+    const size_t w_bytes = ring ? NIB_SLOTS * 1024 : 16 * kp;
+    const size_t c_bytes = ring ? NIB_SLOTS * 32 * sizeof(float) : cism_div_up(16 * ldc * sizeof(float), 64) * 64;
     uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + 4096 + w_bytes + c_bytes);
     if (!mem) { /* the VNNI tiles need no scratch and give the same bits */
         if (S == CISM_INT4) gemm_int4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
@@ -523,7 +546,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
     }
     amx_configure_q8(KB);
     if (ring) {
-        int4_q8_amx_group(W, r0, r1, B, Sc, T, Y, ldy, c, wb, cw);
+        nq8_amx_group(S, W, r0, r1, B, Sc, T, Y, ldy, c, wb, cw);
         _tile_release();
         free(mem);
         return;
