@@ -378,9 +378,9 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
  * ring of 1 KiB slots, and the steps of every row group run as one
  * pipelined sequence. The whole-row scratch (16 x 1536 bytes for SmolLM2's
  * down projection) next to 24 KiB of B tiles crowded L1, and each row
- * group's first tile load waited for its unpacking's stores. int4, in-
- * process A/B, one thread, 16 tokens, weights cycling through L3: 3072 x
- * 576 9-14% and 576 x 1536 14-22% less time per call. */
+ * group's first tile load waited for its unpacking's stores. In-process
+ * A/B, one thread, 16 tokens, weights cycling through L3: int4 3072 x 576
+ * 9% and 576 x 1536 17% less time per call, fp4 18% on both. */
 
 /* The chain step of blocks b (and b+1), the weight scales of block b at
  * cw (row m's at cw[m * ldc], block b+1's next to them):
@@ -398,10 +398,7 @@ ALWAYS_INLINE void nib_fold(const int S, const int32_t *c, const float *Sg, cons
     }
 }
 
-/* Step k (blocks 2k, 2k + 1) of 16 rows of 4-bit weights as signed bytes
- * at slot (row stride 64; int4: the 64 bytes of unit k, fp4: 32 bytes)
- * and the two blocks' scales at sc (2 per row). Rows past rn are zero:
- * their dots are never stored, and zero codes keep their chains at zero. */
+/* Elements 32k..32k+31 of an fp4 row as signed bytes 2 * E2M1. */
 ALWAYS_INLINE __m256i fp4_step(const uint8_t *row, size_t k) {
     /* byte j: elements 2j (low nibble) and 2j + 1 (high), interleaved */
     const __m128i x = _mm_loadu_si128((const __m128i *)(row + 16 * k)), m15 = _mm_set1_epi8(15);
@@ -409,6 +406,9 @@ ALWAYS_INLINE __m256i fp4_step(const uint8_t *row, size_t k) {
     const __m256i nib = _mm256_setr_m128i(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi));
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)cism_e2m1_x2)), nib);
 }
+/* Step k (blocks 2k, 2k + 1; `both` when block 2k + 1 exists) of one
+ * 4-bit row as signed bytes at slot (int4: the 64 bytes of unit k, fp4:
+ * 32 bytes) and the two blocks' scales at sc, zero for a missing one. */
 ALWAYS_INLINE void nib_row_step(const int S, const uint8_t *row, size_t so, size_t k, int both, int8_t *slot,
                                 float *sc) {
     if (S == CISM_INT4) {
@@ -425,6 +425,9 @@ ALWAYS_INLINE void nib_row_step(const int S, const uint8_t *row, size_t so, size
         sc[1] = both ? e4m3_half[row[so + 2 * k + 1]] : 0.0f;
     }
 }
+/* Step k of 16 rows at slot (row stride 64) and sc (2 scales per row).
+ * Rows past rn are zero: their dots are never stored, and zero codes keep
+ * their chains at zero. */
 ALWAYS_INLINE void nib_step16(const int S, const uint8_t *row0, size_t rb, size_t so, size_t rn, size_t k,
                               size_t blocks, int8_t *slot, float *sc) {
     const int both = 2 * k + 1 < blocks;
