@@ -248,7 +248,20 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
 ALWAYS_INLINE void rows_f32(const int S, const int R, const cism_mat *W, size_t r, const float *X,
                             size_t ldx, size_t T, float *Y, size_t ldy) {
     size_t t = 0;
-    for (; t + 4 <= T; t += 4) tile_f32(S, R, 4, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
+    /* fp32 rows: while these rows meet the chunk's tokens, fetch the next
+     * R rows into L2, a slice of each row per 4 tokens (a row of 1024
+     * floats is a page of its own, where the L2 streamer starts cold).
+     * Qwen3-0.6B's 3072 x 1024 and 2048 x 1024, 512 tokens, one thread,
+     * in one binary: 10-35% more FMAs per tick. */
+    const size_t rb = W->row_bytes, parts = cism_div_up(T, 4);
+    const size_t slice = cism_div_up(rb, 64 * parts) * 64;
+    const char *next = S == CISM_FP32 && r + 2 * R <= W->rows ? (const char *)W->codes + (r + R) * rb : NULL;
+    for (; t + 4 <= T; t += 4) {
+        if (next)
+            for (size_t o = t / 4 * slice; o < (t / 4 + 1) * slice && o < rb; o += 64)
+                for (int i = 0; i < R; i++) _mm_prefetch(next + i * rb + o, _MM_HINT_T1);
+        tile_f32(S, R, 4, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy);
+    }
     switch (T - t) {
     case 3: tile_f32(S, R, 3, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
     case 2: tile_f32(S, R, 2, W, r, 1, X + t * ldx, ldx, Y + t * ldy, ldy); break;
@@ -348,14 +361,25 @@ static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t l
     const size_t n = W->cols, full = n / 16, rem = n % 16, ldw = W->row_bytes / sizeof(float);
     const float *w = (const float *)W->codes + r * ldw;
     const size_t blocks = cism_div_up(full, KB_CHUNKS); /* full > 0: wider than TILE6_MAX_COLS */
+    const size_t parts = cism_div_up(T, 4), cb = KB_CHUNKS * 64, slice = cism_div_up(cb, 64 * parts) * 64;
+    const int pf = W->rows > 6; /* not the 6 dequantized rows of rows_deq */
     for (size_t b = 0; b < blocks; b++) {
         const size_t c0 = b * KB_CHUNKS, c1 = c0 + KB_CHUNKS < full ? c0 + KB_CHUNKS : full;
         const int first = b == 0, last = b + 1 == blocks;
         const __mmask16 tail = last && rem ? (__mmask16)((1u << rem) - 1) : 0;
+        /* the next column block of these rows, or the next rows' first,
+         * into L2, a slice per 4 tokens (1024 x 3072 and 1024 x 2048: 3-5%) */
+        const char *next = !pf ? NULL
+                           : !last ? (const char *)(w + 16 * c1)
+                           : r + 12 <= W->rows ? (const char *)(w + 6 * ldw) : NULL;
         size_t t = 0, k = 0;
-        for (; t + 4 <= T; t += 4, k++)
+        for (; t + 4 <= T; t += 4, k++) {
+            if (next)
+                for (size_t o = k * slice; o < (k + 1) * slice && o < cb; o += 64)
+                    for (int i = 0; i < 6; i++) _mm_prefetch(next + i * ldw * 4 + o, _MM_HINT_T1);
             tile6_part(4, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r,
                        Y + t * ldy, ldy);
+        }
         switch (T - t) {
         case 3: tile6_part(3, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r, Y + t * ldy, ldy); break;
         case 2: tile6_part(2, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r, Y + t * ldy, ldy); break;
