@@ -13,7 +13,9 @@
  * Multi-token calls run 6 rows x 4 tokens tiles (4 x 4 for rows shorter
  * than 256 elements; rows longer than 1024 go by in column blocks, see
  * rows6_kblocked) over token chunks small enough for the activations to
- * stay in L2; each group of 4 rows reduces its dots together (hsum_tile4).
+ * stay in L2, fp32 tiles prefetching their next rows (or column block) a
+ * slice per 4 tokens; each group of 4 rows reduces its dots together
+ * (hsum_tile4).
  * Packed rows (fp16, int8, int4, fp4) are first dequantized into an
  * aligned heap buffer once per chunk (rows_deq), so the unpacking is
  * shared by up to 64 tokens and the fp32 tile does the rest.
