@@ -378,7 +378,7 @@ static void rows6_kblocked(const cism_mat *W, size_t r, const float *X, size_t l
         for (; t + 4 <= T; t += 4, k++) {
             if (next)
                 for (size_t o = k * slice; o < (k + 1) * slice && o < cb; o += 64)
-                    for (int i = 0; i < 6; i++) _mm_prefetch(next + i * ldw * 4 + o, _MM_HINT_T1);
+                    for (int i = 0; i < 6; i++) _mm_prefetch(next + i * W->row_bytes + o, _MM_HINT_T1);
             tile6_part(4, w, ldw, X + t * ldx, ldx, c0, c1, tail, keep[k], first, last, W->scales, r,
                        Y + t * ldy, ldy);
         }
