@@ -1,29 +1,14 @@
 """bench/llamacpp.py writes the GGUFs both engines run; these tests load what
 it writes (a tiny dense shape, so they stay fast) with cism."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import cism
 from cism import bench as cbench
 
+from bench_scripts import load_script
+
 pytest.importorskip("gguf")
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCH))  # the scripts import bench_common
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
 
 
 TINY = dict(model_type="qwen3", hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2,
