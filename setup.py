@@ -58,6 +58,7 @@ KERNEL_SOURCES = [
     ("csrc/act/act_avx2.c", "avx2"),
     ("csrc/act/act_avx512.c", "avx512"),
     ("csrc/dispatch.c", "ref"),
+    ("csrc/scratch.c", "ref"),
 ]
 # Every shared header: a change to any of them rebuilds what includes it
 # (flag.h and memscan.h are included by Cython modules, not only by kernels).

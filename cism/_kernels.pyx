@@ -21,6 +21,9 @@ cdef extern from "memscan.h" nogil:
 cdef extern from "ggml.h" nogil:
     int cism_ggml_decode(int type, const uint8_t *raw, size_t count, float *out)
 
+cdef extern from "scratch.h" nogil:
+    int cism_scratch_fail(int n)
+
 cdef extern from "omp_shim.h" nogil:
     int cism_omp_available()
     int cism_omp_max_threads()
@@ -50,6 +53,14 @@ def isa_max():
 def available_isas():
     """ISA levels this machine can run, lowest first."""
     return ISA_LEVELS[: cism_isa_max() + 1]
+
+
+def _fail_scratch(int n):
+    """Test hook: the next ``n`` requests for kernel scratch (on any thread)
+    fail as if memory were exhausted, so the kernels' fallbacks can be run
+    on purpose (csrc/scratch.h); ``0`` ends it. Returns how many refusals
+    the previous call had left unspent."""
+    return cism_scratch_fail(n)
 
 
 def set_isa(name):

@@ -182,45 +182,52 @@ static const int8_t cism_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, 
 static const uint8_t cism_e2m1_x2_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 _Static_assert(sizeof cism_e2m1_x2_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
 
-/* Row r of W as floats, exactly as the kernels see the weights; int8 rows
- * are multiplied by their row scale only when with_int8_scale is set (the
- * dot products apply it after the sum). */
-static inline void cism_dequant_row(const cism_mat *W, size_t r, float *out, int with_int8_scale) {
-    const size_t n = W->cols;
+/* Elements i0..i1-1 of row r of W as floats (out[0] is element i0),
+ * exactly as the kernels see the weights; int8 rows are multiplied by their
+ * row scale only when with_int8_scale is set (the dot products apply it
+ * after the sum). */
+static inline void cism_dequant_range(const cism_mat *W, size_t r, size_t i0, size_t i1, float *out,
+                                      int with_int8_scale) {
     const uint8_t *row = (const uint8_t *)W->codes + r * W->row_bytes;
     switch (W->storage) {
     case CISM_FP32:
-        memcpy(out, row, n * sizeof(float));
+        memcpy(out, row + 4 * i0, (i1 - i0) * sizeof(float));
         break;
     case CISM_FP16:
-        for (size_t i = 0; i < n; i++) {
+        for (size_t i = i0; i < i1; i++) {
             uint16_t h;
             memcpy(&h, row + 2 * i, 2);
-            out[i] = cism_fp16_to_f32(h);
+            out[i - i0] = cism_fp16_to_f32(h);
         }
         break;
     case CISM_INT8: {
         const float s = with_int8_scale ? W->scales[r] : 1.0f;
-        for (size_t i = 0; i < n; i++) out[i] = with_int8_scale ? (float)(int8_t)row[i] * s : (float)(int8_t)row[i];
+        for (size_t i = i0; i < i1; i++)
+            out[i - i0] = with_int8_scale ? (float)(int8_t)row[i] * s : (float)(int8_t)row[i];
         break;
     }
     case CISM_INT4:
-        for (size_t i = 0; i < n; i++) {
+        for (size_t i = i0; i < i1; i++) {
             const size_t b = i / 32, t = i % 32;
             const uint8_t byte = row[b * 16 + (t % 16)];
             const int code = t < 16 ? (byte & 15) : (byte >> 4);
-            out[i] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
+            out[i - i0] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
         }
         break;
     default: { /* CISM_FP4 */
         const uint8_t *sb = row + W->scale_offset;
-        for (size_t i = 0; i < n; i++) {
+        for (size_t i = i0; i < i1; i++) {
             const int code = (i % 2) ? (row[i / 2] >> 4) : (row[i / 2] & 15);
-            out[i] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
+            out[i - i0] = (float)cism_e2m1_x2[code] * (cism_e4m3_to_f32(sb[i / 16]) * 0.5f);
         }
         break;
     }
     }
+}
+
+/* Row r of W as floats (see cism_dequant_range). */
+static inline void cism_dequant_row(const cism_mat *W, size_t r, float *out, int with_int8_scale) {
+    cism_dequant_range(W, r, 0, W->cols, out, with_int8_scale);
 }
 
 #endif

@@ -126,7 +126,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
     /* B blocks of 32 rows, the dequantized rows, four C tiles */
     const size_t b_bytes = (AMX_ROWS / 16) * kblocks * 1024;
     const size_t f_bytes = S == CISM_FP32 ? 0 : cism_div_up(AMX_ROWS * n * sizeof(float), 64) * 64;
-    uint8_t *mem = aligned_alloc(64, b_bytes + f_bytes + 4 * 1024);
+    uint8_t *mem = cism_scratch_get(b_bytes + f_bytes + 4 * 1024);
     if (!mem) {
         /* no scratch: the caller reports it (never a silent other precision) */
         __atomic_store_n(A->err, 1, __ATOMIC_RELAXED);
@@ -190,7 +190,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
         }
     }
     _tile_release();
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
@@ -295,7 +295,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
     const size_t groups = cism_div_up(T, 16), rb = W->row_bytes;
     const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
     const size_t tail_bytes = cism_div_up(16 * rb + 64, 64) * 64;
-    uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + 4096 + tail_bytes);
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + 4096 + tail_bytes);
     if (!mem) { /* the VNNI tiles need no scratch and give the same bits */
         gemm_int8_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
         return;
@@ -356,7 +356,7 @@ static void gemm_int8_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism
         }
     }
     _tile_release();
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 /* ---- int4 and fp4 x q8 on the tile unit: the same rule, bit for bit ----
@@ -532,7 +532,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
     const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
     const size_t w_bytes = ring ? NIB_SLOTS * 1024 : 16 * kp;
     const size_t c_bytes = ring ? NIB_SLOTS * 32 * sizeof(float) : cism_div_up(16 * ldc * sizeof(float), 64) * 64;
-    uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + 4096 + w_bytes + c_bytes);
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + 4096 + w_bytes + c_bytes);
     if (!mem) { /* the VNNI tiles need no scratch and give the same bits */
         if (S == CISM_INT4) gemm_int4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
         else gemm_fp4_q8_avx512vnni(W, r0, r1, A, T, Y, ldy);
@@ -551,7 +551,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
     if (ring) {
         nq8_amx_group(S, W, r0, r1, B, Sc, T, Y, ldy, c, wb, cw);
         _tile_release();
-        free(mem);
+        cism_scratch_put(mem);
         return;
     }
     const size_t steps = cism_div_up(blocks, 2);
@@ -586,7 +586,7 @@ ALWAYS_INLINE void gemm_nq8_amx_tpl(const int S, const cism_mat *W, size_t r0, s
         }
     }
     _tile_release();
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 static void gemm_int4_q8_amx(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,

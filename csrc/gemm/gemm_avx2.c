@@ -33,6 +33,7 @@
  * scalars are broadcast with _mm256_set1_ps(*ptr), which compiles to the same
  * vbroadcastss from memory. */
 #include "../kernels.h"
+#include "../scratch.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -282,7 +283,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
      * rows per activation vector. Without the buffer (no memory) fp4 takes
      * the direct tiles too. */
     const size_t ld = cism_div_up(W->cols, 32) * 32;
-    float *buf = S == CISM_FP4 && T > DEQ_MIN_TOKENS ? aligned_alloc(32, DEQ_ROWS * ld * sizeof(float)) : NULL;
+    float *buf = S == CISM_FP4 && T > DEQ_MIN_TOKENS ? cism_scratch_get(DEQ_ROWS * ld * sizeof(float)) : NULL;
     const int R = nib ? 2 : 3, TT = nib ? 3 : 2;
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
@@ -303,7 +304,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
         for (; r + R <= r1; r += R) rows_f32(S, R, TT, W, r, X, A->ldx, tn, Yc, ldy);
         for (; r < r1; r++) rows_f32(S, 1, TT, W, r, X, A->ldx, tn, Yc, ldy);
     }
-    free(buf);
+    cism_scratch_put(buf);
 }
 
 #define GEMM_F32(NAME, S)                                                                        \
@@ -805,7 +806,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     const size_t bs_bytes = pass * ablocks * 64, w_bytes = TQ_ROWS * kp;
     const size_t c_bytes = cism_div_up(TQ_ROWS * blocks * sizeof(float), 32) * 32;
     if (r1 <= r0) return;
-    uint8_t *mem = aligned_alloc(32, b_bytes + sa_bytes + bs_bytes + w_bytes + c_bytes);
+    uint8_t *mem = cism_scratch_get(b_bytes + sa_bytes + bs_bytes + w_bytes + c_bytes);
     if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
         gemm_q_tpl(S == CISM_INT4 ? Q_INT4 : Q_FP4, W, r0, r1, A, T, Y, ldy);
         return;
@@ -851,7 +852,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
             }
         }
     }
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 /* ---- several tokens x int8 weights x q8: tokens in lanes ----
@@ -944,7 +945,7 @@ static void gemm_t8(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, 
     const size_t b_bytes = pass * group_bytes, sa_bytes = pass * blocks * 32;
     const size_t w_bytes = T8_ROWS * kp * sizeof(int16_t);
     if (r1 <= r0) return;
-    uint8_t *mem = aligned_alloc(32, b_bytes + sa_bytes + w_bytes);
+    uint8_t *mem = cism_scratch_get(b_bytes + sa_bytes + w_bytes);
     if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
         gemm_q_tpl(Q_INT8, W, r0, r1, A, T, Y, ldy);
         return;
@@ -989,7 +990,7 @@ static void gemm_t8(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, 
             }
         }
     }
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 static void gemm_int8_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A,

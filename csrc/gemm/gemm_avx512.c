@@ -28,6 +28,7 @@
  * low and high nibbles of one 64-byte load into the same lanes
  * (decode_nq8): half the unpacking and reductions of one unit a step. */
 #include "../kernels.h"
+#include "../scratch.h"
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -453,7 +454,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
     void *mem = NULL;
     if (deq || kb) {
         const size_t rows_bytes = deq ? cism_div_up(6 * W->cols * sizeof(float), 64) * 64 : 0;
-        mem = aligned_alloc(64, rows_bytes + (kb ? sizeof(__m512) * 24 * (TOKEN_CHUNK / 4) : 0));
+        mem = cism_scratch_get(rows_bytes + (kb ? sizeof(__m512) * 24 * (TOKEN_CHUNK / 4) : 0));
         if (mem) {
             sc.rows = deq ? (float *)mem : NULL;
             sc.keep = kb ? (__m512(*)[24])((char *)mem + rows_bytes) : NULL;
@@ -476,7 +477,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
             for (; r < r1; r++) rows_f32(S, 1, W, r, X, A->ldx, tn, Yc, ldy);
         }
     }
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 #define GEMM_F32(NAME, S)                                                                        \
@@ -1238,7 +1239,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     const size_t ws_bytes = cism_div_up(16 * nbk * sizeof(int32_t), 64) * 64;
     const size_t c_bytes = S == CISM_INT8 ? 0 : cism_div_up(16 * nbk * sizeof(float), 64) * 64;
     if (r1 <= r0) return;
-    uint8_t *mem = aligned_alloc(64, b_bytes + s_bytes + w_bytes + ws_bytes + c_bytes);
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + w_bytes + ws_bytes + c_bytes);
     if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
         gemm_q_tpl(S, 1, W, r0, r1, A, T, Y, ldy);
         return;
@@ -1314,7 +1315,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
             }
         }
     }
-    free(mem);
+    cism_scratch_put(mem);
 }
 
 #define GEMM_Q_VNNI(NAME, S)                                                                     \

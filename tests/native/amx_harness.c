@@ -6,6 +6,7 @@
 #include "amx_emulate.h"
 
 #include "../../csrc/gemm/gemm_amx.c"
+#include "../../csrc/scratch.c"
 
 static cism_kernels table;
 
