@@ -77,5 +77,8 @@ def test_batch_step_without_scratch_gives_the_same_tokens(refused):
     want = model.create_batch_session(prompts, 6).next_tokens(6)
     refused(1 << 30)
     got = model.create_batch_session(prompts, 6).next_tokens(6)
-    assert refused(0) < 1 << 30
+    left = refused(0)
     assert got == want
+    # int8 x q8 takes scratch from avx2 on, except at avx512, whose
+    # several-token kernel for it is dots in lanes
+    assert (left < 1 << 30) == (_kernels.isa() not in ("ref", "avx512"))
