@@ -16,8 +16,8 @@
  * stay in L2, fp32 tiles prefetching their next rows (or column block) a
  * slice per 4 tokens; each group of 4 rows reduces its dots together
  * (hsum_tile4).
- * Packed rows (fp16, int8, int4, fp4) are first dequantized into an
- * aligned heap buffer once per chunk (rows_deq), so the unpacking is
+ * Packed rows (fp16, int8, int4, fp4) are first dequantized into aligned
+ * scratch (csrc/scratch.h) once per chunk (rows_deq), so the unpacking is
  * shared by up to 64 tokens and the fp32 tile does the rest.
  *
  * Integer weights x q8 activations are the exception to the 16-lane form
@@ -349,9 +349,10 @@ ALWAYS_INLINE void tile6_part(const int TT, const float *w, size_t ldw, const fl
         for (int j = 0; j < TT; j++) keep[4 * i + j] = acc[i][j];
 }
 
-/* Heap scratch of one multi-token call: rows dequantized for the tile and
- * the column-blocked tiles' accumulators (up to 120 KiB, too much for the
- * stack of a small thread, e.g. musl's 128 KiB default). */
+/* Scratch of one multi-token call (the thread's kept heap buffer,
+ * csrc/scratch.h): rows dequantized for the tile and the column-blocked
+ * tiles' accumulators (up to 120 KiB, too much for the stack of a small
+ * thread, e.g. musl's 128 KiB default). */
 typedef struct {
     float *rows;         /* 6 x cols floats, 64-byte aligned */
     __m512 (*keep)[24];  /* TOKEN_CHUNK / 4 tiles x 24 accumulators */
