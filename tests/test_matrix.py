@@ -271,6 +271,27 @@ def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage):
 
 
 @pytest.mark.parametrize("storage", STORAGES)
+def test_dynamic_pieces_of_prompts_keep_every_row(storage):
+    """From 16 tokens on, calls on the fp32 tiles hand out 96-row pieces to
+    whichever thread is free (a last piece short, here 1000 rows = 10
+    pieces and 40 rows): every thread count gives the one-thread bits, which
+    are the gemv's. int8 activations take the fixed shares for integer
+    weights and the pieces for fp32 / fp16 ones."""
+    r = rng(17)
+    W = r.standard_normal((1000, 232)).astype(np.float32)
+    X = r.standard_normal((40, 232)).astype(np.float32)
+    m = Matrix(W, storage)
+    for act in ("fp32", "int8"):
+        m.act_precision = act
+        base = m.gemm(X, threads=1)
+        for threads in (2, 3, 5):
+            for T in (16, 17, 40):
+                assert same_bits(m.gemm(X[:T], threads=threads), base[:T]), (act, threads, T)
+        for t in (0, 15, 39):
+            assert same_bits(m.gemv(X[t], threads=1), base[t])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
 def test_parallel_decode_spreads_rows_without_changing_them(storage):
     """Above the parallel threshold a gemv hands each thread its whole share
     and the kernel reads rows j, j + L, ... (uneven shares, leftover rows):
