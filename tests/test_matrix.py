@@ -254,41 +254,27 @@ def test_isa_equality_property(rows, cols, T, storage, seed, wscale, xscale):
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage):
-    r = rng(5)
-    W = r.standard_normal((300, 200)).astype(np.float32)
-    X = r.standard_normal((11, 200)).astype(np.float32)
+@pytest.mark.parametrize("rows,cols,T,prefixes", [(300, 200, 11, (1, 2, 5)), (1000, 232, 40, (16, 17, 40))])
+def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage, rows, cols, T, prefixes):
+    """Every thread count gives the one-thread bits, which are the gemv's,
+    and a prefix batch equals the same rows of the full batch. The second
+    shape runs, from 16 tokens on, the dynamic 96-row pieces of calls on the
+    fp32 tiles (10 pieces and a short one; int8 activations keep the fixed
+    shares for integer weights and take the pieces for fp32 / fp16 ones)."""
+    r = rng(5 + rows)
+    W = r.standard_normal((rows, cols)).astype(np.float32)
+    X = r.standard_normal((T, cols)).astype(np.float32)
     m = Matrix(W, storage)
     for act in ("fp32", "int8"):
         m.act_precision = act
         base = m.gemm(X, threads=1)
         for threads in (2, 3, 7):
-            assert same_bits(m.gemm(X, threads=threads), base)
-        for t in range(0, 11, 3):
+            assert same_bits(m.gemm(X, threads=threads), base), (act, threads)
+        for t in (0, T // 2, T - 1):
             assert same_bits(m.gemv(X[t], threads=2), base[t])
-        for T in (1, 2, 5):  # a prefix batch equals the same rows of the full batch
-            assert same_bits(m.gemm(X[:T], threads=2), base[:T])
-
-
-@pytest.mark.parametrize("storage", STORAGES)
-def test_dynamic_pieces_of_prompts_keep_every_row(storage):
-    """From 16 tokens on, calls on the fp32 tiles hand out 96-row pieces to
-    whichever thread is free (a last piece short, here 1000 rows = 10
-    pieces and 40 rows): every thread count gives the one-thread bits, which
-    are the gemv's. int8 activations take the fixed shares for integer
-    weights and the pieces for fp32 / fp16 ones."""
-    r = rng(17)
-    W = r.standard_normal((1000, 232)).astype(np.float32)
-    X = r.standard_normal((40, 232)).astype(np.float32)
-    m = Matrix(W, storage)
-    for act in ("fp32", "int8"):
-        m.act_precision = act
-        base = m.gemm(X, threads=1)
-        for threads in (2, 3, 5):
-            for T in (16, 17, 40):
-                assert same_bits(m.gemm(X[:T], threads=threads), base[:T]), (act, threads, T)
-        for t in (0, 15, 39):
-            assert same_bits(m.gemv(X[t], threads=1), base[t])
+        for n in prefixes:
+            for threads in (2, 3):
+                assert same_bits(m.gemm(X[:n], threads=threads), base[:n]), (act, threads, n)
 
 
 @pytest.mark.parametrize("storage", STORAGES)
