@@ -185,33 +185,33 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
                 k.pack_bf16(X + t * ldx, cols, s.xb + (t // 16) * 16 * blen + (t % 16) * 32, 512)
         a32.xb = s.xb
         a32.ldb = 16 * blen
-    if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK and T >= DYNAMIC_MIN_TOKENS \
-            and not need8 and not mode & ACT_BF16:
-        # Prompts and batches on the fp32 tiles (fp32 activations, or fp32 /
-        # fp16 weights): pieces of PIECE_CHUNKS chunks go to whichever thread
-        # is free. These calls are compute-bound, and on a shared host one
-        # core often runs slower than the other for a while: with one fixed
-        # share each, every call waits for the slower (the gain below is
-        # largest beside another job). A row's bits do not depend on the
-        # call that computes it. In-process A/B against the
-        # fixed shares (2 threads, 512-token prompts, alternating): Qwen3
-        # shape fp32 1.09x and 1.12x, SmolLM2 fp16 1.08x, fp32 1.00x quiet
-        # and 1.12x beside another job, int8 1.01x; fp32 batch of 16 1.10x.
-        # The integer x q8 and bf16 kernels pack the call's activations on
-        # every call, which small pieces would repeat, so they keep the
-        # fixed shares below.
-        for p in prange(cism_div_up(total, PIECE_CHUNKS), schedule='dynamic', num_threads=threads):
-            gemm_chunks(k, W, Y, ldy, count, starts, p * PIECE_CHUNKS,
-                        min(p * PIECE_CHUNKS + PIECE_CHUNKS, total), mode, &a32, &a8, T)
-    elif threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
-        # Each thread takes one contiguous share of the chunks, so the kernel
-        # gets each matrix's part of it in one call: decode can spread its
-        # row streams over the whole share (streams far apart are what reach
-        # the memory bandwidth), and prefill runs whole 6-row tiles with at
-        # most one short tile per matrix (see gemm_avx512.c).
-        for th in prange(threads, schedule='static', num_threads=threads):
-            gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
-                        total * (th + 1) // threads, mode, &a32, &a8, T)
+    if threads > 1 and total > 1 and work * T >= PARALLEL_MIN_WORK:
+        if T >= DYNAMIC_MIN_TOKENS and not need8 and not mode & ACT_BF16:
+            # Prompts and batches on the fp32 tiles (fp32 activations, or
+            # fp32 / fp16 weights): pieces of PIECE_CHUNKS chunks go to
+            # whichever thread is free. These calls are compute-bound, and
+            # on a shared host one core often runs slower than the other for
+            # a while: with one fixed share each, every call waits for the
+            # slower (the gain below is largest beside another job). A row's
+            # bits do not depend on the call that computes it. In-process A/B
+            # against the fixed shares (2 threads, 512-token prompts,
+            # alternating): Qwen3 shape fp32 1.09x and 1.12x, SmolLM2 fp16
+            # 1.08x, fp32 1.00x quiet and 1.12x beside another job, int8
+            # 1.01x; fp32 batch of 16 1.10x. The integer x q8 and bf16
+            # kernels pack the call's activations on every call, which small
+            # pieces would repeat, so they keep the fixed shares below.
+            for p in prange(cism_div_up(total, PIECE_CHUNKS), schedule='dynamic', num_threads=threads):
+                gemm_chunks(k, W, Y, ldy, count, starts, p * PIECE_CHUNKS,
+                            min(p * PIECE_CHUNKS + PIECE_CHUNKS, total), mode, &a32, &a8, T)
+        else:
+            # Each thread takes one contiguous share of the chunks, so the kernel
+            # gets each matrix's part of it in one call: decode can spread its
+            # row streams over the whole share (streams far apart are what reach
+            # the memory bandwidth), and prefill runs whole 6-row tiles with at
+            # most one short tile per matrix (see gemm_avx512.c).
+            for th in prange(threads, schedule='static', num_threads=threads):
+                gemm_chunks(k, W, Y, ldy, count, starts, total * th // threads,
+                            total * (th + 1) // threads, mode, &a32, &a8, T)
     else:
         gemm_chunks(k, W, Y, ldy, count, starts, 0, total, mode, &a32, &a8, T)
     return -1 if err else 0
