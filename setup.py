@@ -162,6 +162,9 @@ EXTENSIONS = [
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),
     extension("cism._surjo", ["cism/_surjo.pyx"]),
+    extension("cism._step", ["cism/_step.pyx"]),
+    extension("cism._prefix", ["cism/_prefix.pyx"]),
+    extension("cism._engine", ["cism/_engine.pyx"]),
 ]
 
 DIRECTIVES = {

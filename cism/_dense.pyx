@@ -291,6 +291,17 @@ cdef class DenseModel(WeightStore):
     cdef void release_kv(self, size_t nbytes) noexcept:
         self.kv_reserved -= nbytes if nbytes <= self.kv_reserved else self.kv_reserved
 
+    def _reserve_kv(self, nbytes, what):
+        """Reserve KV bytes in the model's budget (cism.Engine's pool)."""
+        self.reserve_kv(nbytes, what)
+
+    def _release_kv(self, nbytes):
+        self.release_kv(nbytes)
+
+    def _engine_stepper(self):
+        """The forward over ragged batches that cism.Engine drives."""
+        return DenseStepper(self)
+
     # ---- paged KV and batches ----
 
     def _paged_state(self):
@@ -1529,3 +1540,65 @@ cdef class BatchSession:
         if not self.seqs[index].have_logits:
             return None
         return logits_copy(self.seqs[index].logits, self.m.vocab)
+
+
+# ------------------------------------------------------------ the engine ---
+
+from cism._step cimport Stepper, StepBatch, StepRun
+
+
+cdef class DenseStepper(Stepper):
+    """The dense forward over a ragged batch (cism.Engine): every sequence's
+    keys and values in the engine's pool pages, through its block table."""
+    cdef const ModelC *m
+    cdef Work w
+    cdef KV *kvs
+    cdef size_t kvs_cap
+
+    def __cinit__(self, *args, **kwargs):
+        memset(&self.w, 0, sizeof(Work))
+        self.kvs = NULL
+        self.kvs_cap = 0
+
+    def __init__(self, DenseModel model):
+        Stepper.__init__(self, model)
+        self.m = &model.c
+        self.vocab = model.c.vocab
+        self.state_floats = 0
+        self.kv_layers = model.c.layers
+        self.kv_width = model.c.kv_width
+        self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
+        self.bf16_prompts = model.c.prefill_bf16
+
+    def __dealloc__(self):
+        free(self.kvs)
+        work_free(&self.w)
+
+    cdef int forward(self, StepBatch *b) noexcept nogil:
+        cdef size_t r, i, n_out = 0
+        cdef const StepRun *run
+        if b.n_runs > self.kvs_cap:
+            free(self.kvs)
+            self.kvs_cap = 0
+            self.kvs = <KV*>calloc(b.n_runs, sizeof(KV))
+            if self.kvs == NULL:
+                return NOMEM
+            self.kvs_cap = b.n_runs
+        for r in range(b.n_runs):
+            n_out += b.runs[r].n_out
+        if work_reserve(&self.w, self.m, b.T, 0, n_out) != 0:
+            return NOMEM
+        for r in range(b.n_runs):
+            run = &b.runs[r]
+            kv_shape(&self.kvs[r], self.m, run.pos + run.n)
+            self.kvs[r].keys = self.k_pages
+            self.kvs[r].values = self.v_pages
+            self.kvs[r].blocks = run.blocks
+            for i in range(run.n):
+                self.w.seq_of[run.first + i] = <int>r
+                self.w.pos_of[run.first + i] = run.pos + i
+            for i in range(run.n_out):
+                self.w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+        self.w.prompt = b.prompt and self.m.prefill_bf16
+        return forward(self.m, &self.w, b.tokens, b.T, self.kvs, self.w.out_rows, n_out,
+                       b.logits, b.cancel)

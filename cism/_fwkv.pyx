@@ -23,6 +23,7 @@ from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport DecodeSession, MAX_K, PREFILL_CHUNK
+from cism._step cimport Stepper, StepBatch, StepRun
 from cism._nn cimport all_finite_f, grow_f
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
@@ -188,6 +189,10 @@ cdef class FwkvModel(WeightStore):
         the distribution for token i+1 (for perplexity and KL evaluations)."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
 
+    def _engine_stepper(self):
+        """The forward over ragged batches that cism.Engine drives."""
+        return FwkvStepper(self)
+
     def __repr__(self):
         c = self.config
         return (f"{type(self).__name__}(fwkv, layers={c.layers}, d_model={c.d_model}, "
@@ -209,6 +214,8 @@ cdef struct Work:
     float *f        # (T, ffn) FFN hidden layer
     float *emb      # (T, d_emb) embedding rows; later the head's inputs
     float *h        # (T, d_model) final-normed rows that need logits
+    size_t *out_rows  # (T,) the tokens whose logits are wanted, in row order
+    float **snapp     # (T,) a session's snapshot targets (verification blocks)
     size_t tokens_cap
     Scratch qs
 
@@ -221,13 +228,17 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T) noexcept nogil:
             or grow_f(&w.r, T * m.d) or grow_f(&w.g, T * m.d) or grow_f(&w.o, T * m.d)
             or grow_f(&w.f, T * m.ffn) or grow_f(&w.emb, T * m.e) or grow_f(&w.h, T * m.d)):
         return -1
+    w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
+    w.snapp = <float**>realloc(w.snapp, T * sizeof(float*))
+    if w.out_rows == NULL or w.snapp == NULL:
+        return -1
     w.tokens_cap = T
     return 0
 
 
 cdef void work_free(Work *w) noexcept nogil:
     free(w.x); free(w.k); free(w.v); free(w.r); free(w.g); free(w.o); free(w.f)
-    free(w.emb); free(w.h)
+    free(w.emb); free(w.h); free(w.out_rows); free(w.snapp)
     scratch_free(&w.qs)
     memset(w, 0, sizeof(Work))
 
@@ -327,11 +338,12 @@ cdef inline void residual_norm(float *x, const float *y, const float *weight, co
 
 
 cdef inline void wkv_columns(const cism_kernels *K, const float *decay, Work *w, float *s,
-                             float *snaps, size_t snap_stride, size_t d, size_t T,
+                             float **snap, size_t snap_offset, size_t d, size_t first, size_t T,
                              size_t chunk) noexcept nogil:
-    """Columns [chunk*COLS, +COLS) of the WKV recurrence over the T tokens in
-    order: r = sigmoid(r), s = k*v + W*s, g = r*s. snaps (if any) receives s
-    after each token, token t at snaps + t*snap_stride."""
+    """Columns [chunk*COLS, +COLS) of the WKV recurrence over tokens
+    first..first+T-1 of one sequence, in order: r = sigmoid(r), s = k*v +
+    W*s, g = r*s. Where snap[t] is set, that column range of s after token t
+    is copied there (at snap_offset: this layer's place in the state)."""
     cdef size_t i0 = chunk * COLS
     cdef size_t n = COLS if i0 + COLS < d else d - i0
     cdef size_t t, i
@@ -341,7 +353,7 @@ cdef inline void wkv_columns(const cism_kernels *K, const float *decay, Work *w,
     cdef float *g
     cdef float *si = s + i0
     cdef const float *W = decay + i0
-    for t in range(T):
+    for t in range(first, first + T):
         k = w.k + t * d + i0
         v = w.v + t * d + i0
         r = w.r + t * d + i0
@@ -350,40 +362,47 @@ cdef inline void wkv_columns(const cism_kernels *K, const float *decay, Work *w,
         for i in range(n):
             si[i] = k[i] * v[i] + W[i] * si[i]
             g[i] = r[i] * si[i]
-        if snaps != NULL:
-            memcpy(snaps + t * snap_stride + i0, si, n * sizeof(float))
+        if snap != NULL and snap[t] != NULL:
+            memcpy(snap[t] + snap_offset + i0, si, n * sizeof(float))
 
 
-cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, float *state,
-                 float *snaps, size_t first_out, float *logits, int *cancel) noexcept nogil:
-    """Run T tokens from the WKV state (layers, d_model), updating it. Rows
-    first_out..T-1 get logits (T - first_out, vocab); snaps, if given,
-    receives the whole state after each token (T, layers, d_model).
-    Returns OK, CANCELLED, NOMEM or NONFINITE."""
+cdef int forward(const ModelC *m, Work *w, const StepBatch *b) noexcept nogil:
+    """Run the step's tokens (cism._step: runs of sequences, each from its
+    own WKV state (layers, d_model), which advances); each run's logits rows
+    go to b.logits. b.snap, if given, receives a run's whole state after the
+    tokens it names. Returns OK, CANCELLED, NOMEM or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t d = m.d, e = m.e, F = m.ffn, V = m.vocab, L = m.layers
-    cdef size_t n_out = T - first_out
+    cdef size_t d = m.d, e = m.e, F = m.ffn, V = m.vocab, L = m.layers, T = b.T
+    cdef size_t n_out = 0
     cdef size_t d_chunks = cism_div_up(d, COLS), e_chunks = cism_div_up(e, COLS)
     cdef int nt = m.threads
     cdef int ntT = nt if T > 1 else 1
-    cdef int ntO = nt if n_out > 1 else 1
+    cdef int ntO
     cdef int ntP = nt if T * d * e >= PARALLEL_MIN_WORK else 1
-    cdef int ntQ = nt if n_out * d * e >= PARALLEL_MIN_WORK else 1
-    cdef size_t t, l, c, i
+    cdef int ntQ
+    cdef size_t t, l, c, i, r
     cdef const Layer *Ly
+    cdef const StepRun *run
     cdef const cism_mat *mats[3]
     cdef float *outs[3]
     cdef size_t lds[3]
     cdef bint q8 = m.act_q8
     if work_reserve(w, m, T) != 0:
         return NOMEM
+    for r in range(b.n_runs):
+        run = &b.runs[r]
+        for i in range(run.n_out):
+            w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+        n_out += run.n_out
+    ntO = nt if n_out > 1 else 1
+    ntQ = nt if n_out * d * e >= PARALLEL_MIN_WORK else 1
     # factorized embedding: a d_emb row of shared.weight, up to d_model by shared.proj
     for t in prange(T, num_threads=ntT, schedule='static'):
-        mat_row(&m.shared, <size_t>tokens[t], w.emb + t * e)
+        mat_row(&m.shared, <size_t>b.tokens[t], w.emb + t * e)
     for c in prange(T * d_chunks, num_threads=ntP, schedule='static'):
         proj_in(m, w.emb + (c // d_chunks) * e, w.x + (c // d_chunks) * d, c % d_chunks)
     for l in range(L):
-        if cism_flag_check(cancel):
+        if cism_flag_check(b.cancel):
             return CANCELLED
         Ly = &m.layer[l]
         # k, v and receptance projections of all T tokens in one pass over their rows
@@ -398,10 +417,10 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, floa
         lds[2] = d
         if gemm_multi(mats, outs, lds, 3, q8, w.x, d, T, &w.qs, nt) != 0:
             return NOMEM
-        # WKV recurrence in token order; columns are independent
-        for c in prange(d_chunks, num_threads=ntT, schedule='static'):
-            wkv_columns(K, Ly.decay, w, state + l * d, snaps + l * d if snaps != NULL else NULL,
-                        L * d, d, T, c)
+        # WKV recurrence: each sequence's tokens in order; columns are independent
+        for c in prange(b.n_runs * d_chunks, num_threads=ntT, schedule='static'):
+            wkv_columns(K, Ly.decay, w, b.runs[c // d_chunks].state + l * d, b.snap, l * d, d,
+                        b.runs[c // d_chunks].first, b.runs[c // d_chunks].n, c % d_chunks)
         # proj_out of r*s for all T tokens at once, 0.1-scaled residual, LayerNorm
         if gemm1(&Ly.out, q8, w.g, d, T, w.o, d, &w.qs, nt) != 0:
             return NOMEM
@@ -420,12 +439,12 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, floa
         return OK
     # final LayerNorm, back to d_emb with shared.projᵀ, tied head (rows with logits only)
     for i in prange(n_out, num_threads=ntO, schedule='static'):
-        layer_norm(w.x + (first_out + i) * d, w.h + i * d, m.norm_w, m.norm_b, d)
+        layer_norm(w.x + w.out_rows[i] * d, w.h + i * d, m.norm_w, m.norm_b, d)
     for c in prange(n_out * e_chunks, num_threads=ntQ, schedule='static'):
         proj_back(m, w.h + (c // e_chunks) * d, w.emb + (c // e_chunks) * e, c % e_chunks)
-    if gemm1(&m.shared, q8, w.emb, e, n_out, logits, V, &w.qs, nt) != 0:
+    if gemm1(&m.shared, q8, w.emb, e, n_out, b.logits, V, &w.qs, nt) != 0:
         return NOMEM
-    if not all_finite_f(logits, n_out * V):
+    if not all_finite_f(b.logits, n_out * V):
         return NONFINITE
     return OK
 
@@ -472,25 +491,43 @@ cdef class Session(DecodeSession):
         the last token's logits go to s.logits; else every token's logits go
         to rows (T, vocab). Inside a verification block the state after each
         token is kept in snaps[1:]."""
-        cdef size_t start = 0, n, vocab = self.m.vocab, S = self.m.layers * self.m.d
-        cdef float *snaps = self.snaps + S if self.in_block else NULL
+        cdef size_t start = 0, n, i, vocab = self.m.vocab, S = self.m.layers * self.m.d
+        cdef StepRun one
+        cdef StepBatch b
         cdef int rc
+        b.runs = &one
+        b.n_runs = 1
+        b.prompt = False
+        b.cancel = &self.cancelled
+        one.pos = 0
+        one.blocks = NULL
+        one.state = self.state_
+        one.first = 0
+        one.out_row = 0
         while start < T:
             n = T - start
             if n > PREFILL_CHUNK:
                 n = PREFILL_CHUNK
+            if work_reserve(&self.w, self.m, n) != 0:
+                return NOMEM
+            b.tokens = tokens + start
+            b.T = n
+            one.n = n
+            b.snap = NULL
+            if self.in_block:
+                for i in range(n):
+                    self.w.snapp[i] = self.snaps + (start + i + 1) * S
+                b.snap = self.w.snapp
             if rows != NULL:
-                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
-                             snaps + start * S if snaps != NULL else NULL, 0,
-                             rows + start * vocab, &self.cancelled)
+                one.n_out = n
+                b.logits = rows + start * vocab
             elif start + n == T:
-                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
-                             snaps + start * S if snaps != NULL else NULL, n - 1,
-                             self.s.logits, &self.cancelled)
+                one.n_out = 1
+                b.logits = self.s.logits
             else:
-                rc = forward(self.m, &self.w, tokens + start, n, self.state_,
-                             snaps + start * S if snaps != NULL else NULL, n, NULL,
-                             &self.cancelled)
+                one.n_out = 0
+                b.logits = NULL
+            rc = forward(self.m, &self.w, &b)
             if rc != OK:
                 return rc
             self.s.position += n
@@ -528,3 +565,31 @@ cdef class Session(DecodeSession):
             out = np.empty((self.m.layers, self.m.d), np.float32)
             memcpy(cnp.PyArray_DATA(out), self.state_, self.m.layers * self.m.d * sizeof(float))
             return out
+
+
+# ------------------------------------------------------------ the engine ---
+
+cdef class FwkvStepper(Stepper):
+    """The FWKV forward over a ragged batch (cism.Engine): each sequence
+    runs from its own WKV state; there is no KV cache."""
+    cdef const ModelC *m
+    cdef Work w
+
+    def __cinit__(self, *args, **kwargs):
+        memset(&self.w, 0, sizeof(Work))
+
+    def __init__(self, FwkvModel model):
+        Stepper.__init__(self, model)
+        self.m = &model.c
+        self.vocab = model.c.vocab
+        self.state_floats = model.c.layers * model.c.d
+        self.kv_layers = 0
+        self.kv_width = 0
+        self.kv_dtype = None
+        self.bf16_prompts = False
+
+    def __dealloc__(self):
+        work_free(&self.w)
+
+    cdef int forward(self, StepBatch *b) noexcept nogil:
+        return forward(self.m, &self.w, b)

@@ -29,6 +29,7 @@ from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
+from cism._step cimport Stepper, StepBatch, StepRun
 from cism._nn cimport KV, add_into, all_finite_f, grow_f, kv_scores, kv_store, kv_weighted, rmsnorm, rotate, tile_softmax
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
@@ -339,6 +340,10 @@ cdef class SurjoModel(WeightStore):
         the distribution for token i+1."""
         return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
 
+    def _engine_stepper(self):
+        """The forward over ragged batches that cism.Engine drives."""
+        return SurjoStepper(self)
+
     @property
     def kv_precision(self):
         """What the XSA slots hold: ``"fp32"`` (default) or ``"fp16"``: keys
@@ -392,7 +397,11 @@ cdef struct Work:
     float *scores   # (threads, QTILE * score_cap) scores of one query tile per thread
     float *rope     # (threads, head_dim) cos/sin beyond the table
     float *delta    # (threads, 2 * Dv) delta-rule read and update vectors
-    size_t *out_rows
+    size_t *out_rows  # (T,) the tokens whose logits are wanted, in row order
+    int *seq_of     # (T,) the run (sequence) of each token
+    size_t *pos_of  # (T,) the position of each token
+    size_t *tile_of # (T,) first token of each attention query tile
+    float **snapp   # (T,) a session's snapshot targets (unused: NULLs)
     size_t tokens_cap, score_cap, out_cap, threads_cap
     Scratch qs
 
@@ -414,7 +423,10 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
                 or grow_f(&w.gate, T * m.inter) or grow_f(&w.up, T * m.inter)):
             return -1
         w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
-        if w.out_rows == NULL:
+        w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
+        w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
+        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
+        if w.out_rows == NULL or w.seq_of == NULL or w.pos_of == NULL or w.tile_of == NULL:
             return -1
         w.tokens_cap = T
     if n_out > w.out_cap:
@@ -438,6 +450,7 @@ cdef void work_free(Work *w) noexcept nogil:
     free(w.gq); free(w.gk); free(w.gv); free(w.gb); free(w.gw); free(w.gf); free(w.gg); free(w.go)
     free(w.fmid); free(w.gmid); free(w.gate); free(w.up); free(w.head_in)
     free(w.scores); free(w.rope); free(w.delta); free(w.out_rows)
+    free(w.seq_of); free(w.pos_of); free(w.tile_of)
     scratch_free(&w.qs)
     memset(w, 0, sizeof(Work))
 
@@ -465,7 +478,7 @@ cdef inline float softplus(float x) noexcept nogil:
     return <float>log1p(exp(<double>x))
 
 
-cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st, size_t slot,
+cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const KV *kv, size_t slot,
                        size_t g, size_t pos, int tid) noexcept nogil:
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
     cdef const cism_kernels *K = kernel_table()
@@ -494,7 +507,7 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const State *st
     rotate(q, m.heads, hd, c, s)
     rotate(k, m.kv_heads, hd, c, s)
     for h in range(m.kv_heads):
-        kv_store(K, &st.kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+        kv_store(K, kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
 
 
 cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
@@ -515,7 +528,7 @@ cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out
         out[j] -= coef * vv[j]
 
 
-cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
+cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *kv, size_t slot,
                      size_t g0, size_t nq, size_t h, size_t p0, float *sc) noexcept nogil:
     """Causal attention of head h for the nq tokens g0.. at positions
     p0.. of the slot (one query tile), then (xsa_projection) the removal of
@@ -528,43 +541,45 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const Stat
     cdef size_t span = p0 + nq, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
     cdef float *out = w.att + g0 * QW + h * hd
-    kv_scores(K, &st.kv, w.q + g0 * QW + h * hd, QW, nq, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
+    kv_scores(K, kv, w.q + g0 * QW + h * hd, QW, nq, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
     tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
-    kv_weighted(K, &st.kv, sc, span, nq, slot, kvh, 0, p0 + 1, 0, out, QW, hd)
+    kv_weighted(K, kv, sc, span, nq, slot, kvh, 0, p0 + 1, 0, out, QW, hd)
     for i in range(1, nq):
-        kv_weighted(K, &st.kv, sc + i * span, span, 1, slot, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
+        kv_weighted(K, kv, sc + i * span, span, 1, slot, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
     if m.xsa_projection:
         for i in range(nq):
             xsa_project(m, w, g0 + i, kvh, out + i * QW)
 
 
-cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, const State *st, size_t slot,
-                           size_t kvh, size_t p, float *sc) noexcept nogil:
-    """Attention of a lone token (token 0, at position p) for the heads
+cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, const KV *kv, size_t slot,
+                           size_t g, size_t kvh, size_t p, float *sc) noexcept nogil:
+    """Attention of token g alone in its tile (at position p) for the heads
     that share KV head kvh, up to QTILE of them at a time as one tile of
     queries over the same keys and values (as the dense attend_group): each
     head gets exactly xsa_attend's arithmetic for it alone, and each key and
     value is read once for the group."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, QW = m.q_width
     cdef size_t span = p + 1, h0, nh, j
     cdef float *out
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        out = w.att + h0 * hd
-        kv_scores(K, &st.kv, w.q + h0 * hd, hd, nh, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
+        out = w.att + g * QW + h0 * hd
+        kv_scores(K, kv, w.q + g * QW + h0 * hd, hd, nh, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
         for j in range(nh):
             tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
-        kv_weighted(K, &st.kv, sc, span, nh, slot, kvh, 0, span, 0, out, hd, hd)
+        kv_weighted(K, kv, sc, span, nh, slot, kvh, 0, span, 0, out, hd, hd)
         if m.xsa_projection:
             for j in range(nh):
-                xsa_project(m, w, 0, kvh, out + j * hd)
+                xsa_project(m, w, g, kvh, out + j * hd)
 
 
 cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t blk,
-                   size_t T) noexcept nogil:
-    """Depthwise causal conv of one block of channels (of q, k or v), token by
-    token: y = sum_i W[i] * fifo[i] + W[W-1] * u in double, then the FIFO
-    shifts the raw input u in (fifo[W-2] is the newest)."""
+                   size_t first, size_t T, float **snap, size_t snap_offset) noexcept nogil:
+    """Depthwise causal conv of one block of channels (of q, k or v) over
+    tokens first..first+T-1 of one sequence, token by token: y = sum_i W[i]
+    * fifo[i] + W[W-1] * u in double, then the FIFO shifts the raw input u
+    in (fifo[W-2] is the newest). Where snap[t] is set, these channels' FIFO
+    after token t is copied there (snap_offset: this state's place)."""
     cdef size_t kt = m.key_total, vt = m.value_total, km = m.fifo, kw = m.conv
     cdef size_t nbk = (kt + CONV_BLOCK - 1) // CONV_BLOCK
     cdef float *buf
@@ -584,7 +599,7 @@ cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t 
     c1 = c0 + CONV_BLOCK
     if c1 > ld:
         c1 = ld
-    for t in range(T):
+    for t in range(first, first + T):
         for ch in range(c0, c1):
             raw = buf[t * ld + ch]
             f = fifo + ch * km
@@ -598,6 +613,9 @@ cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t 
                 for i in range(km - 1):
                     f[i] = f[i + 1]
                 f[km - 1] = raw
+        if km and snap != NULL and snap[t] != NULL:
+            memcpy(snap[t] + snap_offset + (fifo - rec) + c0 * km, fifo + c0 * km,
+                   (c1 - c0) * km * sizeof(float))
 
 
 cdef void gdn_gates(const ModelC *m, const cism_kernels *K, Work *w, const Layer *L,
@@ -626,11 +644,14 @@ cdef void gdn_gates(const ModelC *m, const cism_kernels *K, Work *w, const Layer
 
 
 cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer *L, float *S,
-                   size_t e, size_t T, float *scratch) noexcept nogil:
+                   size_t e, size_t first, size_t T, float *scratch, float **snap,
+                   size_t snap_offset) noexcept nogil:
     """The gated delta rule of value head e (state S, (K, Dv)), tokens in order:
         S <- diag(decay) S;  r = S^T (beta*k);  S <- S + k (omega*v - r)^T;
         o = S^T q / sqrt(K);  o <- rmsnorm(o; o_norm) * sigmoid(gate)
-    Key-side tensors come from key head e // (Hv/H)."""
+    Key-side tensors come from key head e // (Hv/H). Tokens first..first+T-1
+    of one sequence; where snap[t] is set, S after token t is copied there
+    (snap_offset: this head's place in the sequence's state)."""
     cdef size_t kt = m.key_total, vt = m.value_total, kd = m.k_dim, dv = m.v_dim
     cdef size_t kh = e // (m.v_heads // m.heads), t, i, j
     cdef float rscale = 1.0 / sqrtf(<float>kd)
@@ -645,7 +666,7 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
     cdef const float *v
     cdef const float *om
     cdef float *o
-    for t in range(T):
+    for t in range(first, first + T):
         q = w.gq + t * kt + kh * kd
         k = w.gk + t * kt + kh * kd
         beta = w.gb + t * kt + kh * kd
@@ -673,48 +694,80 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
             o[j] = o[j] * rscale
         rmsnorm(o, o, L.o_norm, dv, m.eps)
         K.sigmoid_mul(w.gg + t * vt + e * dv, o, o, dv)
+        if snap != NULL and snap[t] != NULL:
+            memcpy(snap[t] + snap_offset, S, kd * dv * sizeof(float))
 
 
 cdef inline int team(int nt, size_t items, size_t work) noexcept nogil:
     return nt if items > 1 and work >= PARALLEL_MIN_WORK else 1
 
 
-cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, size_t T, size_t pos0,
-                 const uint8_t *skip, const size_t *out_rows, size_t n_out, float *logits,
-                 int *cancel) noexcept nogil:
-    """Run T tokens at positions pos0.. through the plan (steps with skip[s]
-    set are left out: the neural drafter); logits of the tokens listed in
-    out_rows go to logits (n_out, vocab). Returns OK, CANCELLED, NOMEM or
-    NONFINITE."""
+cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:
+    """Cut the T tokens into runs of up to QTILE tokens of one sequence at
+    consecutive positions; w.tile_of[i] = first token of tile i."""
+    cdef size_t g, n = 0
+    for g in range(T):
+        if (n == 0 or g - w.tile_of[n - 1] == QTILE or w.seq_of[g] != w.seq_of[g - 1]
+                or w.pos_of[g] != w.pos_of[g - 1] + 1):
+            w.tile_of[n] = g
+            n += 1
+    return n
+
+
+cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
+                 const uint8_t *skip) noexcept nogil:
+    """Run the step's tokens (cism._step: runs of sequences at their own
+    positions, run r with XSA slots kvs[r] and recurrent state
+    b.runs[r].state) through the plan (steps with skip[s] set are left out:
+    the neural drafter). Each run's logits rows go to b.logits; b.snap, if
+    given, receives a run's whole recurrent state after the tokens it names.
+    Returns OK, CANCELLED, NOMEM or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t D = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width
+    cdef size_t D = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width, T = b.T
     cdef size_t KT = m.key_total, VT = m.value_total, DV = m.v_dim
     cdef size_t nbk = (KT + CONV_BLOCK - 1) // CONV_BLOCK
     cdef size_t nconv = 2 * nbk + (VT + CONV_BLOCK - 1) // CONV_BLOCK
+    cdef size_t S = 0, n_out = 0, ntiles, per_tile, items, group = m.heads // m.kv_heads, nq, h
+    cdef size_t R = b.n_runs
     # threads per loop: the whole team only where the loop has the work for it
     cdef int nt = m.threads
     cdef int ntT = team(nt, T, T * D)
-    cdef int ntH = team(nt, T * m.heads, T * m.heads * (pos0 + T) * m.head_dim)
-    cdef size_t ntiles = (T + QTILE - 1) // QTILE
-    cdef int ntC = team(nt, nconv, T * (2 * KT + VT) * m.conv)
+    cdef int ntH
+    cdef int ntC = team(nt, R * nconv, T * (2 * KT + VT) * m.conv)
     cdef int ntG = team(nt, T, T * (2 * KT + VT) * 8)
-    cdef int ntV = team(nt, m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
-    cdef int ntO = team(nt, n_out, n_out * D)
-    cdef size_t si, g, r, i, slot
-    cdef float *rec
+    cdef int ntV = team(nt, R * m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
+    cdef int ntO
+    cdef size_t si, g, r, i, slot, st_index
     cdef const Layer *L
+    cdef const StepRun *run
     cdef const cism_mat *mats[7]
     cdef float *outs[7]
     cdef size_t lds[7]
     cdef bint q8 = m.act_q8
-    if work_reserve(w, m, T, pos0 + T, n_out) != 0:
+    for r in range(R):
+        if b.runs[r].pos + b.runs[r].n > S:
+            S = b.runs[r].pos + b.runs[r].n
+        n_out += b.runs[r].n_out
+    if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
+    for r in range(R):
+        run = &b.runs[r]
+        for i in range(run.n):
+            w.seq_of[run.first + i] = <int>r
+            w.pos_of[run.first + i] = run.pos + i
+        for i in range(run.n_out):
+            w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+    ntiles = query_tiles(w, T)
+    per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
+    items = ntiles * per_tile
+    ntH = team(nt, items, T * m.heads * S * m.head_dim)
+    ntO = team(nt, n_out, n_out * D)
     for g in prange(T, num_threads=ntT, schedule='static'):
-        mat_row(&m.embed, <size_t>tokens[g], w.x + g * D)
+        mat_row(&m.embed, <size_t>b.tokens[g], w.x + g * D)
     for si in range(m.n_steps):
         if skip != NULL and skip[si]:
             continue
-        if cism_flag_check(cancel):
+        if cism_flag_check(b.cancel):
             return CANCELLED
         L = &m.layer[m.plan[si].layer]
         # mixer rmsnorm
@@ -730,24 +783,29 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
                 return NOMEM
             # q/k norms, rotate, store k and v in this execution's slot
             for g in prange(T, num_threads=ntT, schedule='static'):
-                xsa_qk_store(m, w, L, st, slot, g, pos0 + g, threadid())
-            # causal GQA attention and the value projection, one (token, head) per item
-            # (query tiles of QTILE tokens; later tiles see more positions,
-            # hence the dynamic schedule; head first, so consecutive items
-            # read the same keys and values)
-            if T == 1 and (nt == 1 or m.kv_heads >= 2 * <size_t>nt):
-                # a lone token: the heads of a KV group as one tile
-                for r in prange(m.kv_heads, num_threads=ntH, schedule='static'):
-                    xsa_attend_group(m, K, w, st, slot, r, pos0, w.scores + threadid() * QTILE * w.score_cap)
-            else:
-                for r in prange(ntiles * m.heads, num_threads=ntH, schedule='dynamic'):
-                    g = (r % ntiles) * QTILE
-                    xsa_attend(m, K, w, st, slot, g, QTILE if T - g > QTILE else T - g, r // ntiles,
-                               pos0 + g, w.scores + threadid() * QTILE * w.score_cap)
+                xsa_qk_store(m, w, L, &kvs[w.seq_of[g]], slot, g, w.pos_of[g], threadid())
+            # causal GQA attention and the value projection: one (query tile,
+            # KV group) per item, a lone query's heads of the group together;
+            # with fewer than two groups per thread, one (tile, head) per item.
+            # Later tiles see more positions, hence the dynamic schedule; KV
+            # group first, so consecutive items read the same keys and values.
+            for r in prange(items, num_threads=ntH, schedule='dynamic'):
+                g = w.tile_of[r % ntiles]
+                nq = (w.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
+                if per_tile == m.heads:
+                    xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, r // ntiles, w.pos_of[g],
+                               w.scores + threadid() * QTILE * w.score_cap)
+                elif nq == 1:
+                    xsa_attend_group(m, K, w, &kvs[w.seq_of[g]], slot, g, r // ntiles, w.pos_of[g],
+                                     w.scores + threadid() * QTILE * w.score_cap)
+                else:
+                    for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
+                        xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, h, w.pos_of[g],
+                                   w.scores + threadid() * QTILE * w.score_cap)
             if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
         else:
-            rec = st.rec + <size_t>m.plan[si].state * m.state_len
+            st_index = <size_t>m.plan[si].state
             # q, k, v, beta, write gate and both low-rank inputs in one pass
             mats[GDN_Q], mats[GDN_K], mats[GDN_V] = &L.q, &L.k, &L.v
             mats[GDN_B], mats[GDN_W], mats[GDN_F0], mats[GDN_G0] = &L.b, &L.w, &L.f0, &L.g0
@@ -762,15 +820,20 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
                 return NOMEM
             if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.qs, nt) != 0:
                 return NOMEM
-            # causal conv with this (layer, pass)'s FIFOs, channels in parallel
-            for r in prange(nconv, num_threads=ntC, schedule='static'):
-                gdn_conv(m, w, L, rec, r, T)
+            # causal conv with each sequence's FIFOs of this (layer, pass), channels in parallel
+            for r in prange(R * nconv, num_threads=ntC, schedule='static'):
+                gdn_conv(m, w, L, b.runs[r // nconv].state + st_index * m.state_len, r % nconv,
+                         b.runs[r // nconv].first, b.runs[r // nconv].n, b.snap, st_index * m.state_len)
             # SiLU, L2 norms, gates and decays, token by token
             for g in prange(T, num_threads=ntG, schedule='static'):
                 gdn_gates(m, K, w, L, g)
-            # the delta rule: one value head per item, its tokens in order
-            for r in prange(m.v_heads, num_threads=ntV, schedule='static'):
-                gdn_head(m, K, w, L, rec + r * m.k_dim * DV, r, T, w.delta + threadid() * 2 * DV)
+            # the delta rule: one (sequence, value head) per item, its tokens in order
+            for r in prange(R * m.v_heads, num_threads=ntV, schedule='static'):
+                gdn_head(m, K, w, L, b.runs[r // m.v_heads].state + st_index * m.state_len
+                         + (r % m.v_heads) * m.k_dim * DV, r % m.v_heads,
+                         b.runs[r // m.v_heads].first, b.runs[r // m.v_heads].n,
+                         w.delta + threadid() * 2 * DV, b.snap,
+                         st_index * m.state_len + (r % m.v_heads) * m.k_dim * DV)
             if gemm1(&L.o, q8, w.go, VT, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
         # residual, MLP rmsnorm
@@ -793,10 +856,10 @@ cdef int forward(const ModelC *m, Work *w, State *st, const int64_t *tokens, siz
         return OK
     # final norm, only for the rows whose logits are wanted
     for i in prange(n_out, num_threads=ntO, schedule='static'):
-        rmsnorm(w.x + out_rows[i] * D, w.head_in + i * D, m.final_norm, D, m.eps)
-    if gemm1(&m.head, q8, w.head_in, D, n_out, logits, m.vocab, &w.qs, nt) != 0:
+        rmsnorm(w.x + w.out_rows[i] * D, w.head_in + i * D, m.final_norm, D, m.eps)
+    if gemm1(&m.head, q8, w.head_in, D, n_out, b.logits, m.vocab, &w.qs, nt) != 0:
         return NOMEM
-    if not all_finite_f(logits, n_out * m.vocab):
+    if not all_finite_f(b.logits, n_out * m.vocab):
         return NONFINITE
     return OK
 
@@ -843,24 +906,37 @@ cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, State *st, const int64_t 
     """Forward T tokens of the sequence at its position, in blocks. rows ==
     NULL: logits of the last token into last; else logits of every token into
     rows (T, vocab) and the last also into last."""
-    cdef size_t start = 0, n, i, vocab = m.vocab
+    cdef size_t start = 0, n, vocab = m.vocab
+    cdef StepRun one
+    cdef StepBatch b
     cdef int rc
+    b.runs = &one
+    b.n_runs = 1
+    b.snap = NULL
+    b.prompt = False
+    b.cancel = cancel
+    one.blocks = NULL
+    one.state = st.rec
+    one.first = 0
+    one.out_row = 0
     while start < T:
         n = T - start
         if n > PREFILL_CHUNK:
             n = PREFILL_CHUNK
-        if work_reserve(w, m, n, 0, 0) != 0:
-            return NOMEM
+        b.tokens = tokens + start
+        b.T = n
+        one.n = n
+        one.pos = s.position
         if rows != NULL:
-            for i in range(n):
-                w.out_rows[i] = i
-            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, n,
-                         rows + start * vocab, cancel)
+            one.n_out = n
+            b.logits = rows + start * vocab
         elif start + n == T:
-            w.out_rows[0] = n - 1
-            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, 1, last, cancel)
+            one.n_out = 1
+            b.logits = last
         else:
-            rc = forward(m, w, st, tokens + start, n, s.position, skip, w.out_rows, 0, NULL, cancel)
+            one.n_out = 0
+            b.logits = NULL
+        rc = forward(m, w, &b, &st.kv, skip)
         if rc != OK:
             return rc
         s.position += n
@@ -1072,3 +1148,55 @@ cdef class Session(DecodeSession):
             self.finish_call(rc)
             return [self.cands[i] for i in range(n)]
 
+
+
+# ------------------------------------------------------------ the engine ---
+
+cdef class SurjoStepper(Stepper):
+    """The Surjo forward over a ragged batch (cism.Engine): each sequence's
+    XSA keys and values in the engine's pool pages (one "layer" per slot),
+    its GDN states and conv FIFOs in its own recurrent state."""
+    cdef const ModelC *m
+    cdef Work w
+    cdef KV *kvs
+    cdef size_t kvs_cap
+
+    def __cinit__(self, *args, **kwargs):
+        memset(&self.w, 0, sizeof(Work))
+        self.kvs = NULL
+        self.kvs_cap = 0
+
+    def __init__(self, SurjoModel model):
+        Stepper.__init__(self, model)
+        self.m = &model.c
+        self.vocab = model.c.vocab
+        self.state_floats = model.c.n_states * model.c.state_len
+        self.kv_layers = model.c.n_slots
+        self.kv_width = model.c.kv_width
+        self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
+        self.bf16_prompts = False
+
+    def __dealloc__(self):
+        free(self.kvs)
+        work_free(&self.w)
+
+    cdef int forward(self, StepBatch *b) noexcept nogil:
+        cdef size_t r
+        if b.n_runs > self.kvs_cap:
+            free(self.kvs)
+            self.kvs_cap = 0
+            self.kvs = <KV*>calloc(b.n_runs, sizeof(KV))
+            if self.kvs == NULL:
+                return NOMEM
+            self.kvs_cap = b.n_runs
+        for r in range(b.n_runs):
+            self.kvs[r].capacity = b.runs[r].pos + b.runs[r].n
+            self.kvs[r].layers = self.m.n_slots
+            self.kvs[r].kv_width = self.m.kv_width
+            self.kvs[r].kv_heads = self.m.kv_heads
+            self.kvs[r].head_dim = self.m.head_dim
+            self.kvs[r].esize = slot_elem_bytes(self.m)
+            self.kvs[r].keys = self.k_pages
+            self.kvs[r].values = self.v_pages
+            self.kvs[r].blocks = b.runs[r].blocks
+        return forward(self.m, &self.w, b, self.kvs, NULL)

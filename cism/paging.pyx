@@ -242,6 +242,41 @@ cdef class BlockPool:
         self.seq[dst_req] = self.seq_ctr
         return list(blocks)
 
+    # ---- references held outside requests (the engine's prefix cache) ----
+
+    def _in_use(self, phys, what):
+        if not is_int(phys) or not 0 <= phys < self.num_blocks:
+            raise ValueError(f"BlockPool bad phys block id {phys!r}")
+        if self.refcounts[phys] == 0:
+            raise ValueError(f"BlockPool {what} of free block {phys}")
+        return int(phys)
+
+    def retain_block(self, phys):
+        """Hold one more reference to a block in use (it stays out of the
+        free stack until every holder has let go)."""
+        phys = self._in_use(phys, "retain_block")
+        self.refcounts[phys] += 1
+
+    def release_block(self, phys):
+        """Drop one reference taken with retain_block; a block nobody holds
+        returns to the free stack."""
+        phys = self._in_use(phys, "release_block")
+        self.refcounts[phys] -= 1
+        if self.refcounts[phys] == 0:
+            self.free_stack_.append(phys)
+
+    def share_block(self, req_id, phys):
+        """Append a block in use (a cached prefix block) to a request's
+        table, as one more holder of it. The request must not write into
+        it: only full blocks are shared."""
+        req_id = _req(req_id)
+        phys = self._in_use(phys, "share_block")
+        blocks = self.table_.get(req_id)
+        if blocks is None:
+            raise ValueError(f"BlockPool unknown req_id={req_id} in share_block()")
+        self.refcounts[phys] += 1
+        blocks.append(phys)
+
     def copy_on_write(self, req_id, pos):
         """Make the block holding position pos private to req_id (a full copy
         of the shared block) before it is written."""

@@ -27,6 +27,9 @@ cdef int64_t choose_token(const float *logits, size_t vocab, const cism_knobs *k
                           const int64_t *history, size_t n_history, cism_mt64 *rng,
                           cism_sampler *s) noexcept nogil
 cdef void sampler_free(cism_sampler *s) noexcept nogil
+# log p(token) under the raw logits, and the top_n most likely (ids, log p)
+cdef double token_logprobs(const float *logits, size_t vocab, int64_t token, size_t top_n,
+                           int64_t *top_ids, double *top_lp) noexcept nogil
 cdef size_t draft_tokens(const int64_t *history, size_t n, size_t k, int64_t *out) noexcept nogil
 
 # Shared argument checks (Python level), with the spec's messages.

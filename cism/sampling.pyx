@@ -28,6 +28,8 @@ cdef extern from "sample.h" nogil:
     int64_t cism_sample(const float *logits, size_t vocab, double temperature, double top_p,
                         size_t top_k, cism_mt64 *rng, cism_sampler *s)
     size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out)
+    double cism_logprobs(const float *logits, size_t vocab, int64_t token, size_t top_n,
+                         int64_t *top_ids, double *top_lp)
     int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k,
                         const int64_t *history, size_t n_history, cism_mt64 *rng, cism_sampler *s)
 
@@ -68,6 +70,28 @@ cdef void sampler_free(cism_sampler *s) noexcept nogil:
 
 cdef size_t draft_tokens(const int64_t *history, size_t n, size_t k, int64_t *out) noexcept nogil:
     return cism_draft(history, n, k, out)
+
+cdef double token_logprobs(const float *logits, size_t vocab, int64_t token, size_t top_n,
+                           int64_t *top_ids, double *top_lp) noexcept nogil:
+    return cism_logprobs(logits, vocab, token, top_n, top_ids, top_lp)
+
+
+def logprobs(logits, token, top_n=0):
+    """(log p(token), [(id, log p), ...] of the top_n most likely) under
+    the raw logits: what cism.Engine reports per generated token."""
+    cdef cnp.ndarray l = np.ascontiguousarray(logits, dtype=np.float32)
+    if l.ndim != 1 or l.shape[0] == 0:
+        raise ValueError("logits must be a non-empty vector")
+    if not _is_int(token) or not 0 <= token < l.shape[0]:
+        raise ValueError(f"token must be in [0, {l.shape[0]}), got {token!r}")
+    if not _is_int(top_n) or top_n < 0:
+        raise ValueError("top_n must be a nonnegative integer")
+    n = min(int(top_n), l.shape[0])
+    cdef cnp.ndarray ids = np.zeros(max(n, 1), np.int64)
+    cdef cnp.ndarray lps = np.zeros(max(n, 1), np.float64)
+    lp = cism_logprobs(<const float*>cnp.PyArray_DATA(l), l.shape[0], token, n,
+                       <int64_t*>cnp.PyArray_DATA(ids), <double*>cnp.PyArray_DATA(lps))
+    return lp, [(int(ids[i]), float(lps[i])) for i in range(n)]
 
 
 def _is_int(v):

@@ -206,6 +206,29 @@ int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k, cons
     return cism_sample(z, vocab, k->temperature, k->top_p, top_k, rng, s);
 }
 
+double cism_logprobs(const float *logits, size_t vocab, int64_t token, size_t top_n,
+                     int64_t *top_ids, double *top_lp) {
+    const float m = logits[cism_argmax(logits, vocab)];
+    double sum = 0.0;
+    for (size_t i = 0; i < vocab; i++) sum += exp((double)logits[i] - (double)m);
+    const double lse = (double)m + log(sum);
+    if (top_n > vocab) top_n = vocab;
+    /* insertion into a sorted list of top_n: a later index replaces only a strictly larger logit */
+    size_t have = 0;
+    for (size_t i = 0; i < vocab && top_n; i++) {
+        const float l = logits[i];
+        if (have == top_n && !(l > logits[top_ids[have - 1]])) continue;
+        size_t j = have < top_n ? have++ : have - 1;
+        while (j > 0 && l > logits[top_ids[j - 1]]) {
+            top_ids[j] = top_ids[j - 1];
+            j--;
+        }
+        top_ids[j] = (int64_t)i;
+    }
+    for (size_t j = 0; j < top_n; j++) top_lp[j] = (double)logits[top_ids[j]] - lse;
+    return (double)logits[token] - lse;
+}
+
 size_t cism_draft(const int64_t *history, size_t n, size_t k, int64_t *out) {
     size_t made = 0;
     if (k == 0 || n < 2) return 0;

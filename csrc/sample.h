@@ -58,6 +58,14 @@ int64_t cism_sample(const float *logits, size_t vocab, double temperature, doubl
 int64_t cism_choose(const float *logits, size_t vocab, const cism_knobs *k, const int64_t *history,
                     size_t n_history, cism_mt64 *rng, cism_sampler *s);
 
+/* Log-probabilities under the raw logits (the model's distribution before
+ * temperature and the knobs): lse = max + log(sum exp(l - max)), the sum in
+ * double in index order; returns log p(token) = l[token] - lse. With top_n >
+ * 0 it also writes the top_n most likely tokens (ties: lower index first)
+ * and their log-probabilities, most likely first. */
+double cism_logprobs(const float *logits, size_t vocab, int64_t token, size_t top_n,
+                     int64_t *top_ids, double *top_lp);
+
 /* Prompt-lookup drafter (spec v4): for each draft position take the longest
  * trailing n-gram (n <= 3) of history + draft so far and emit the token that
  * followed its most recent occurrence strictly inside the history; stop when

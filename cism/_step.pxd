@@ -1,0 +1,47 @@
+# One forward step over a ragged batch: what the serving engine hands a model
+# family (cimport cism._step). The step holds tokens of several sequences
+# (runs), each at its own positions: a decode token, a verification block or
+# a prompt chunk. Every projection runs once over all of the step's tokens;
+# attention and recurrences run per run over that sequence's own KV blocks
+# and state. A token's bits never depend on what else is in the step.
+from libc.stdint cimport int64_t
+
+
+cdef struct StepRun:
+    size_t first, n        # its tokens: tokens[first:first + n], in order
+    size_t pos             # the position of its first token
+    const size_t *blocks   # its block table in the pool pages (attention families)
+    float *state           # its recurrent state (Surjo, FWKV), state_floats floats
+    size_t out_row         # its first row in the step's logits
+    size_t n_out           # logits rows it wants: 0, 1 (its last token) or n (every token)
+
+
+cdef struct StepBatch:
+    const int64_t *tokens  # (T,)
+    size_t T
+    StepRun *runs          # (n_runs,), runs in any order, tokens of a run contiguous
+    size_t n_runs
+    float **snap           # NULL, or (T,): where to copy the run's whole state after
+                           # token g (NULL: nowhere); recurrent families only
+    float *logits          # (rows, vocab), rows = sum of n_out
+    bint prompt            # every token is a prompt token (dense bf16 prefill applies)
+    int *cancel            # checked once per layer
+
+
+# A model family's side of the engine: one object per engine, owning its
+# scratch. forward() runs a StepBatch; it returns OK, CANCELLED, NOMEM or
+# NONFINITE (cism._common), with NONFINITE meaning every row was computed
+# and at least one holds an inf or NaN.
+cdef class Stepper:
+    cdef readonly object model
+    cdef readonly size_t vocab
+    cdef readonly size_t state_floats    # floats of one sequence's recurrent state (0: none)
+    cdef readonly size_t kv_layers       # KV "layers" in the pool pages (0: no paged KV)
+    cdef readonly size_t kv_width
+    cdef readonly object kv_dtype        # numpy dtype of the pool pages
+    cdef readonly bint bf16_prompts      # prompt tokens run at the bf16 prefill precision
+    cdef char *k_pages
+    cdef char *v_pages
+    cdef object pages_keep
+
+    cdef int forward(self, StepBatch *b) noexcept nogil
