@@ -145,6 +145,7 @@ cdef class EngineCore:
     cdef readonly dict by_id
     cdef long long next_arrival
     cdef int abort                       # cancels the forward in flight (shutdown)
+    cdef int inject                      # tests: the next forward's result, without running it
     # step buffers
     cdef int64_t *tokens
     cdef StepRun *runs
@@ -159,7 +160,6 @@ cdef class EngineCore:
     # counters
     cdef readonly size_t steps, tokens_run, generated_total, preempted_total
     cdef readonly size_t spec_proposed, spec_accepted
-    cdef readonly dict outcomes
 
     def __cinit__(self):
         self.tokens = NULL
@@ -189,7 +189,6 @@ cdef class EngineCore:
         self.active = []
         self.by_id = {}
         self.next_arrival = 0
-        self.outcomes = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
         if pool is not None:
             stepper.set_pages(pool)
 
@@ -259,6 +258,12 @@ cdef class EngineCore:
         cdef Seq q
         for q in list(self.waiting) + list(self.active):
             q.cancel()
+
+    def _inject_forward_result(self, name):
+        """Testing hook: the next step's forward "returns" NOMEM or CANCELLED
+        without running, or ("nonfinite") runs and has its first logits row
+        turned NaN, so the recovery paths run on purpose."""
+        self.inject = {"nomem": NOMEM, "cancelled": CANCELLED, "nonfinite": NONFINITE}[name]
 
     def abort_forward(self):
         """Stop the forward in flight at its next layer (from any thread)."""
@@ -546,7 +551,17 @@ cdef class EngineCore:
                     else:
                         self.snap[T + i] = NULL
             T += q.run_n
-        rc = self.run_forward(plan, T)
+        if self.inject == NONFINITE:   # tests: the step's first logits row turns NaN
+            self.inject = 0
+            rc = self.run_forward(plan, T)
+            if rows and (rc == OK or rc == NONFINITE):
+                self.logits[0] = float("nan")
+                rc = NONFINITE
+        elif self.inject:
+            rc = self.inject
+            self.inject = 0
+        else:
+            rc = self.run_forward(plan, T)
         self.steps += 1
         self.tokens_run += T
         if rc == NOMEM:
@@ -830,7 +845,6 @@ cdef class EngineCore:
             reason = "error"
         else:
             reason = FINISH_NAMES[q.s.finish] or "cancelled"
-        self.outcomes[reason] = self.outcomes.get(reason, 0) + 1
         q.handle._finish(reason, error)
 
     cdef fail(self, Seq q, error):
@@ -846,7 +860,6 @@ cdef class EngineCore:
                "running": len(self.active), "preemptions": self.preempted_total,
                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
                "step_token_budget": self.budget_cap}
-        out.update({f"finished_{k}": v for k, v in self.outcomes.items()})
         if self.pool is not None:
             used, free_, total = self.pool.usage()
             out.update({"kv_blocks_total": total, "kv_blocks_used": self.pool.phys_used(),

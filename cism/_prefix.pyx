@@ -191,7 +191,7 @@ cdef class PrefixCache:
         return {"prefix_lookups": self.lookups, "prefix_hits": self.hits,
                 "prefix_misses": self.lookups - self.hits,
                 "prefix_queried_tokens": self.queried_tokens, "prefix_hit_tokens": self.hit_tokens,
-                "prefix_hit_rate": (self.hit_tokens / self.queried_tokens) if self.queried_tokens else 0.0,
+                "prefix_hit_rate": (<double>self.hit_tokens / self.queried_tokens) if self.queried_tokens else 0.0,
                 "cached_blocks": len(self.by_phys), "cached_entries": len(self.entries),
                 "evictable_blocks": len(self.evictable), "evicted_blocks": self.evicted_blocks,
                 "snapshot_bytes": self.snapshot_bytes}

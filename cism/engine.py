@@ -20,6 +20,7 @@ import math
 import os
 import threading
 import time
+import weakref
 
 from cism._config import is_int
 from cism.sampling import check_knobs, check_sampling, check_seed
@@ -254,6 +255,29 @@ def _kv_blocks_default(model, stepper, max_seqs):
     return blocks
 
 
+def _engine_loop(ref, signal):
+    """The engine thread: step while there is work, sleep on the signal
+    while there is none, end once the engine is shut down or gone."""
+    while True:
+        with signal:
+            engine = ref()
+            if engine is None:
+                return
+            work = engine._has_work()
+            stop = engine._stop
+            del engine
+            if not work:
+                if stop:
+                    return
+                signal.wait(0.5)
+                continue
+        engine = ref()
+        if engine is None:
+            return
+        engine._loop_once()
+        del engine
+
+
 class Engine:
     """Continuous batching over one model, thread-safe.
 
@@ -328,11 +352,15 @@ class Engine:
         self._stats = self._core.stats()
         self._submitted = 0
         self._prompt_tokens = 0
+        self._outcomes = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
         self.histograms = {"step_seconds": _Histogram(LATENCY_BUCKETS),
                            "ttft_seconds": _Histogram(LATENCY_BUCKETS)}
         self._thread = None
         if start:
-            self._thread = threading.Thread(target=self._loop, name="cism-engine", daemon=True)
+            # the thread holds the engine only while it steps, so an engine
+            # nobody references is collected (and its thread ends)
+            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._signal),
+                                            name="cism-engine", daemon=True)
             self._thread.start()
 
     def _release_pool(self):
@@ -404,10 +432,14 @@ class Engine:
             if self.max_queue is not None and self.queue_depth() >= self.max_queue:
                 raise QueueFull(f"the engine's queue is full ({self.max_queue} waiting requests)")
             req = Request(self, next(self._ids), [int(x) for x in p], params)
-            self._inflight[req.id] = req
             self._submitted += 1
             self._prompt_tokens += len(p)
-            self._inbox.append(req)
+            if max_new:
+                self._inflight[req.id] = req
+                self._inbox.append(req)
+        if not max_new:
+            req._finish("length", None)   # nothing to make
+            return req
         self._wake()
         return req
 
@@ -422,6 +454,7 @@ class Engine:
     def _finished(self, req):
         with self._inflight_lock:
             self._inflight.pop(req.id, None)
+            self._outcomes[req.finish_reason] = self._outcomes.get(req.finish_reason, 0) + 1
         if req.first_token_at is not None:
             self.histograms["ttft_seconds"].observe(req.first_token_at - req.queued_at)
 
@@ -475,18 +508,21 @@ class Engine:
         with self._signal:
             self._signal.notify()
 
-    def _loop(self):
-        while True:
-            with self._signal:
-                self._signal.wait_for(lambda: self._stop or self._inbox or self._core.busy)
-                if self._stop and not (self._inbox or self._core.busy):
-                    return
-            try:
-                with self._core_lock:
-                    self._step_locked()
-            except BaseException as e:   # a bug: fail what is in flight, keep serving
-                self._error = e
-                self._fail_all(e)
+    def _has_work(self):
+        return bool(self._inbox) or self._core.busy
+
+    def _loop_once(self):
+        """One step of the engine thread; False when it should end."""
+        try:
+            with self._core_lock:
+                ran = self._step_locked()
+        except BaseException as e:   # a bug: fail what is in flight, keep serving
+            self._error = e
+            self._fail_all(e)
+            return True
+        if not ran and self._core.busy:
+            time.sleep(0.001)   # nothing could run this step (cannot last: see schedule)
+        return True
 
     def _fail_all(self, error):
         core = self._core
@@ -528,6 +564,8 @@ class Engine:
         with self._signal:
             self._stop = True
             self._signal.notify()
+        if threading.current_thread() is self._thread:
+            return False   # (the engine's own thread dropped the last reference)
         self._thread.join(timeout)
         alive = self._thread.is_alive()
         if not alive:
@@ -553,6 +591,8 @@ class Engine:
         out["queue_depth"] = out["waiting"]
         out["submitted"] = self._submitted
         out["prompt_tokens"] = self._prompt_tokens
+        with self._inflight_lock:
+            out.update({f"finished_{k}": v for k, v in self._outcomes.items()})
         return out
 
     @property
