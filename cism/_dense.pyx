@@ -1132,6 +1132,7 @@ cdef class PagedSession(SessionState):
             self.kv.keys = <char*>cnp.PyArray_DATA(kp)
             self.kv.values = <char*>cnp.PyArray_DATA(vp)
             self.kv.blocks = self.blocks
+            self.kv.nblocks = pool.num_blocks
             kv_shape(&self.kv, self.m, self.s.capacity)
             with nogil:
                 rc = seq_run(self.m, &self.w, &self.s, &self.kv, <const int64_t*>cnp.PyArray_DATA(run),
@@ -1238,36 +1239,28 @@ cdef class PagedSession(SessionState):
 # ----------------------------------------------------------- batches ---
 
 cdef class BatchSession:
-    """Up to 256 sequences decoded together: every projection runs once over
-    the tokens of all active sequences, attention and sampling stay per
-    sequence. Each sequence produces exactly what it would alone in a Session
-    with the same seed (bitwise, logits included)."""
+    """Up to 256 sequences decoded together: the serving engine's step
+    (cism._engine) over a pool of its own, sized for the batch, so every
+    projection runs once over the tokens of all active sequences while
+    attention and sampling stay per sequence. Each sequence produces exactly
+    what it would alone in a Session with the same seed (bitwise, logits
+    included)."""
     cdef DenseModel model
-    cdef const ModelC *m
-    cdef SeqCore *seqs
-    cdef KV *kvs
+    cdef object core
+    cdef list seqs
+    cdef list handles
     cdef size_t B
-    cdef Params p
-    cdef Work w
-    cdef int cancelled
-    cdef bint prefilled
-    cdef float *rows           # logits of the rows that need them
-    cdef size_t rows_cap
     cdef object lock
     cdef size_t kv_bytes       # reserved in the model's KV budget
 
     def __cinit__(self):
-        self.seqs = NULL
-        self.kvs = NULL
-        self.rows = NULL
         self.kv_bytes = 0
-        memset(&self.p, 0, sizeof(Params))
-        memset(&self.w, 0, sizeof(Work))
 
     def __init__(self, DenseModel model, prompts, max_new_tokens, temperature=0.0, top_p=1.0,
                  top_k=0, seed=0, eos=(), seq_seeds=None, *, min_p=0.0, repetition_penalty=1.0):
+        from cism._engine import EngineCore, Collector
+        cdef Params p
         self.model = model
-        self.m = &model.c
         vocab = model.c.vocab
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             raise ValueError("prompts must be a list of token-id sequences")
@@ -1276,7 +1269,11 @@ cdef class BatchSession:
         if len(prompts) > 256:
             raise ValueError(f"batch size exceeds 256 sequences (got {len(prompts)})")
         max_new = check_count(max_new_tokens, "max_new_tokens")
-        parse_params(&self.p, vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
+        memset(&p, 0, sizeof(Params))
+        try:
+            parse_params(&p, vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
+        finally:
+            free(p.eos)
         seed = check_seed(seed)
         if seq_seeds is not None:
             seq_seeds = [check_seed(x) for x in seq_seeds]
@@ -1294,240 +1291,78 @@ cdef class BatchSession:
             if len(a) + max_new > model.c.context:
                 raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
                                  f"({len(a)} + {max_new} > {model.c.context}, prompt {i})")
-            check_kv(self.m, len(a) + max_new)
-        check_kv(self.m, max(len(a) for a in arrays) + max_new, len(arrays))
-        nbytes = sum(kv_cache_bytes(self.m, len(a) + max_new) for a in arrays)
+        blocks = sum((len(a) + max_new + 15) // 16 for a in arrays)
+        per_block = self.model.c.layers * 16 * self.model.c.kv_width * 2 * kv_elem_bytes(&model.c)
+        if blocks * per_block > MAX_KV_BYTES:
+            raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({blocks * per_block} bytes)")
+        nbytes = blocks * per_block
         model.reserve_kv(nbytes, f"this batch of {len(arrays)} sequences")
         self.kv_bytes = nbytes
         self.B = len(arrays)
-        self.seqs = <SeqCore*>calloc(self.B, sizeof(SeqCore))
-        self.kvs = <KV*>calloc(self.B, sizeof(KV))
-        if self.seqs == NULL or self.kvs == NULL:
-            raise MemoryError("cannot allocate batch state")
+        stepper = DenseStepper(model)
+        pool = BlockPool(blocks, model.c.layers, model.c.kv_width, dtype=stepper.kv_dtype)
+        # the pool holds every sequence whole: no preemption, no cache
+        self.core = EngineCore(stepper, pool, False, 0, self.B, PREFILL_CHUNK, 1, model.c.threads)
+        self.seqs = []
+        self.handles = []
         for i, a in enumerate(arrays):
             s_i = seq_seeds[i] if seq_seeds is not None else (seed + i) % 2**64
-            if core_alloc(&self.seqs[i], <const int64_t*>cnp.PyArray_DATA(a), len(a), 0, max_new,
-                          vocab, s_i) != OK:
-                raise MemoryError("cannot allocate batch state")
+            h = Collector()
+            self.handles.append(h)
+            self.seqs.append(self.core.add(h, i, a, max_new, temperature, top_p, top_k, s_i, eos,
+                                           min_p, repetition_penalty, 0, 0, False, 0))
+            self.seqs[i].hold = 0
         self.lock = threading.Lock()
 
     def __dealloc__(self):
-        cdef size_t i
         if self.kv_bytes and self.model is not None:
             self.model.release_kv(self.kv_bytes)
-        if self.seqs != NULL:
-            for i in range(self.B):
-                core_free(&self.seqs[i])
-        if self.kvs != NULL:
-            for i in range(self.B):
-                kv_free(&self.kvs[i])
-        free(self.seqs)
-        free(self.kvs)
-        free(self.rows)
-        free(self.p.eos)
-        work_free(&self.w)
-
-    cdef int run_batch(self, const int64_t *toks, const int *seq_of, size_t T, bint prompt) noexcept nogil:
-        """Forward a concatenation of tokens (seq_of[g] says whose), in chunks;
-        the last token of each sequence leaves its logits in that sequence.
-        prompt: all of them are prompt tokens (bf16 prefill applies)."""
-        cdef size_t start = 0, n, g, i, n_out, vocab = self.m.vocab
-        cdef size_t *offset = <size_t*>calloc(self.B, sizeof(size_t))
-        cdef size_t *last = <size_t*>malloc(self.B * sizeof(size_t))
-        cdef int rc = OK
-        if offset == NULL or last == NULL:
-            free(offset)
-            free(last)
-            return NOMEM
-        for g in range(T):
-            last[seq_of[g]] = g
-        self.w.prompt = prompt and self.m.prefill_bf16
-        while start < T and rc == OK:
-            n = T - start
-            if n > PREFILL_CHUNK:
-                n = PREFILL_CHUNK
-            if work_reserve(&self.w, self.m, n, 0, 0) != 0:
-                rc = NOMEM
-                break
-            n_out = 0
-            for i in range(n):
-                g = start + i
-                self.w.seq_of[i] = seq_of[g]
-                self.w.pos_of[i] = self.seqs[seq_of[g]].position + offset[seq_of[g]]
-                offset[seq_of[g]] += 1
-                if last[seq_of[g]] == g:
-                    self.w.out_rows[n_out] = i
-                    n_out += 1
-            if n_out * vocab > self.rows_cap:
-                self.rows_cap = 0
-                if grow_f(&self.rows, n_out * vocab):
-                    rc = NOMEM
-                    break
-                self.rows_cap = n_out * vocab
-            rc = forward(self.m, &self.w, toks + start, n, self.kvs, self.w.out_rows, n_out,
-                         self.rows, &self.cancelled)
-            if rc == OK:
-                for i in range(n_out):
-                    g = seq_of[start + self.w.out_rows[i]]
-                    memcpy(self.seqs[g].logits, self.rows + i * vocab, vocab * sizeof(float))
-                    self.seqs[g].have_logits = True
-            start += n
-        if rc == OK:
-            for i in range(self.B):
-                self.seqs[i].position += offset[i]
-        free(offset)
-        free(last)
-        return rc
-
-    cdef int prefill(self) noexcept nogil:
-        cdef size_t i, T = 0, j
-        cdef int rc
-        if self.prefilled:
-            return OK
-        if cism_flag_check(&self.cancelled):
-            return CANCELLED
-        for i in range(self.B):
-            if self.seqs[i].finish == RUNNING:
-                if kv_alloc(&self.kvs[i], self.m, self.seqs[i].capacity) != OK:
-                    return NOMEM
-                T += self.seqs[i].prompt_len
-        cdef int64_t *toks = <int64_t*>malloc((T + 1) * sizeof(int64_t))
-        cdef int *seq_of = <int*>malloc((T + 1) * sizeof(int))
-        if toks == NULL or seq_of == NULL:
-            free(toks)
-            free(seq_of)
-            return NOMEM
-        T = 0
-        for i in range(self.B):
-            if self.seqs[i].finish == RUNNING:
-                for j in range(self.seqs[i].prompt_len):
-                    toks[T] = self.seqs[i].prompt[j]
-                    seq_of[T] = <int>i
-                    T += 1
-        rc = self.run_batch(toks, seq_of, T, True) if T else OK
-        free(toks)
-        free(seq_of)
-        if rc != OK:
-            return rc
-        for i in range(self.B):
-            if self.seqs[i].finish == RUNNING:
-                memcpy(self.seqs[i].history, self.seqs[i].prompt, self.seqs[i].prompt_len * sizeof(int64_t))
-                self.seqs[i].hist_len = self.seqs[i].prompt_len
-                self.seqs[i].prompt_len = 0
-        self.prefilled = True
-        return OK
-
-    cdef int generate(self, size_t count, int64_t *out, size_t *produced) noexcept nogil:
-        """Up to count tokens per sequence; out is (B, count), produced[i] how many."""
-        cdef size_t i, n
-        cdef int64_t tok
-        cdef int rc
-        cdef bint need
-        cdef cism_knobs k = knobs_of(&self.p)
-        cdef size_t *wanted = <size_t*>calloc(self.B, sizeof(size_t))
-        cdef int64_t *step_toks = <int64_t*>malloc(self.B * sizeof(int64_t))
-        cdef int *step_seq = <int*>malloc(self.B * sizeof(int))
-        if wanted == NULL or step_toks == NULL or step_seq == NULL:
-            free(wanted); free(step_toks); free(step_seq)
-            return NOMEM
-        rc = OK
-        need = False
-        for i in range(self.B):
-            produced[i] = 0
-            if self.seqs[i].finish == RUNNING:
-                wanted[i] = self.seqs[i].max_new - self.seqs[i].generated
-                if count < wanted[i]:
-                    wanted[i] = count
-                if wanted[i]:
-                    need = True
-        if need and cism_flag_check(&self.cancelled):
-            rc = CANCELLED
-        if need and rc == OK:
-            rc = self.prefill()
-        while need and rc == OK:
-            if cism_flag_check(&self.cancelled):
-                rc = CANCELLED
-                break
-            # sample one token for every sequence that still needs output
-            n = 0
-            for i in range(self.B):
-                if self.seqs[i].finish != RUNNING or produced[i] >= wanted[i]:
-                    continue
-                tok = choose_token(self.seqs[i].logits, self.m.vocab, &k, self.seqs[i].history,
-                                   self.seqs[i].hist_len, &self.seqs[i].rng, &self.seqs[i].sampler)
-                if tok < 0:
-                    rc = NOMEM
-                    break
-                out[i * count + produced[i]] = tok
-                produced[i] += 1
-                core_account(&self.seqs[i], &self.p, tok)
-                if self.seqs[i].finish == RUNNING:
-                    # finished sequences never run their last token (as in Session)
-                    step_toks[n] = tok
-                    step_seq[n] = <int>i
-                    n += 1
-            if rc != OK or n == 0:
-                break
-            rc = self.run_batch(step_toks, step_seq, n, False)
-            if rc != OK:
-                break
-            for i in range(n):
-                self.seqs[step_seq[i]].history[self.seqs[step_seq[i]].hist_len] = step_toks[i]
-                self.seqs[step_seq[i]].hist_len += 1
-            need = False
-            for i in range(self.B):
-                if self.seqs[i].finish == RUNNING and produced[i] < wanted[i]:
-                    need = True
-        free(wanted)
-        free(step_toks)
-        free(step_seq)
-        return rc
 
     def next_tokens(self, count):
         """Up to ``count`` tokens for each sequence: a list of B lists."""
         count = check_count(count, "count")
-        cdef size_t c = min(count, max(self.seqs[i].max_new for i in range(self.B)))
-        cdef size_t i
-        cdef int rc
-        out = np.empty((self.B, max(c, 1)), np.int64)
-        done = np.zeros(self.B, np.uintp)
-        cdef int64_t *buf = <int64_t*>cnp.PyArray_DATA(out)
-        cdef size_t *produced = <size_t*>cnp.PyArray_DATA(done)
         with self.lock:
-            with nogil:
-                rc = self.generate(c, buf, produced)
-            result = [out[i, :done[i]].tolist() for i in range(self.B)]
-            if rc != OK:
-                for i in range(self.B):
-                    if self.seqs[i].finish == RUNNING:
-                        self.seqs[i].finish = CANCEL
-                cism_flag_set(&self.cancelled, 1)
-                raise_for(rc, "batched inference")
+            start = [len(h.tokens) for h in self.handles]
+            for q in self.seqs:
+                q.hold = min(q.generated + count, 2**63)
+            core = self.core
+            while core.busy:
+                core.step()
+            result = [h.tokens[n:] for h, n in zip(self.handles, start)]
+            errors = [h.error for h in self.handles if h.error is not None]
+            if errors:
+                core.cancel_all()
+                core.step()
+                err = errors[0]
+                if isinstance(err, MemoryError):
+                    raise MemoryError("out of memory during batched inference; the session is cancelled") from err
+                raise RuntimeError(f"{err} during batched inference; the session is cancelled") from err
             return result
 
     def cancel(self):
         """Cancel every sequence (safe from any thread)."""
-        cism_flag_set(&self.cancelled, 1)
+        self.core.abort_forward()
 
     def _cancel_after(self, checks):
         """Testing hook: cancel at the ``checks``-th cancellation point from now on."""
-        arm_cancel(&self.cancelled, checks)
+        if not is_int(checks) or not 1 <= checks < 2**31:
+            raise ValueError(f"checks must be an integer in [1, 2^31), got {checks!r}")
+        self.core.arm_abort(checks)
 
     def cancel_seq(self, index):
         """Finish one sequence with "cancelled" (from the next step on)."""
         if not is_int(index) or not 0 <= index < self.B:
             raise ValueError(f"batch index is out of range: {index!r} (batch size {self.B})")
-        with self.lock:
-            if self.seqs[index].finish == RUNNING:
-                self.seqs[index].finish = CANCEL
+        if not self.handles[index].finish_reason:
+            self.seqs[index].cancel()   # it leaves at the next step
 
     def finish_reasons(self):
-        cancelled = cism_flag_get(&self.cancelled)
-        return [("cancelled" if cancelled and self.seqs[i].finish == RUNNING
-                 else FINISH_NAMES[self.seqs[i].finish]) for i in range(self.B)]
+        aborted = self.core.aborted
+        return [h.finish_reason or ("cancelled" if aborted or q.cancelled else "")
+                for h, q in zip(self.handles, self.seqs)]
 
     def generated_tokens_list(self):
-        return [self.seqs[i].generated for i in range(self.B)]
+        return [q.generated for q in self.seqs]
 
     @property
     def batch_size(self):
@@ -1537,9 +1372,7 @@ cdef class BatchSession:
         """Logits of sequence ``index``'s latest forward, or None."""
         if not is_int(index) or not 0 <= index < self.B:
             raise ValueError(f"batch index is out of range: {index!r} (batch size {self.B})")
-        if not self.seqs[index].have_logits:
-            return None
-        return logits_copy(self.seqs[index].logits, self.m.vocab)
+        return self.seqs[index].last_logits
 
 
 # ------------------------------------------------------------ the engine ---
@@ -1594,6 +1427,7 @@ cdef class DenseStepper(Stepper):
             self.kvs[r].keys = self.k_pages
             self.kvs[r].values = self.v_pages
             self.kvs[r].blocks = run.blocks
+            self.kvs[r].nblocks = self.n_pages
             for i in range(run.n):
                 self.w.seq_of[run.first + i] = <int>r
                 self.w.pos_of[run.first + i] = run.pos + i

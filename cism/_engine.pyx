@@ -20,7 +20,7 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
-                           as_tokens, check_count, parse_params, params_eos, knobs_of,
+                           as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy,
                            cism_flag_get, cism_flag_set, cism_flag_check)
 from cism._nn cimport all_finite_f, grow_f
 from cism._session cimport SeqCore, core_alloc, core_free, core_account, MAX_K
@@ -55,7 +55,9 @@ cdef class Seq:
     cdef readonly int phase
     cdef SeqCore s                    # history = prompt + generated; position = tokens run
     cdef Params p
+    cdef readonly size_t vocab
     cdef readonly size_t spec_k
+    cdef public size_t hold           # no token is chosen once generated reaches it (BatchSession)
     cdef readonly size_t top_n        # top logprobs per token
     cdef readonly bint want_lp
     cdef int cancel_flag
@@ -99,6 +101,13 @@ cdef class Seq:
         return self.s.prompt_end
 
     @property
+    def last_logits(self):
+        """The logits of its latest forward (the next token's distribution), or None."""
+        if not self.s.have_logits:
+            return None
+        return logits_copy(self.s.logits, self.vocab)
+
+    @property
     def block_table(self):
         return [self.blocks[i] for i in range(self.n_blocks)]
 
@@ -114,6 +123,23 @@ cdef class Seq:
         """Scheduling order (higher first): priority plus one for every
         `aging` steps waited, then the older arrival."""
         return (self.priority + <long long>(self.waited // aging), -self.arrival)
+
+
+class Collector:
+    """The handle of a request driven in-process (BatchSession): it keeps
+    what the core publishes."""
+
+    def __init__(self):
+        self.tokens = []
+        self.finish_reason = ""
+        self.error = None
+
+    def _publish(self, tokens, lps, tops):
+        self.tokens.extend(tokens)
+
+    def _finish(self, reason, error):
+        self.finish_reason = reason
+        self.error = error
 
 
 cdef struct Job:
@@ -227,11 +253,13 @@ cdef class EngineCore:
         p, max_new = self.check(prompt, max_new_tokens)
         parse_params(&q.p, self.vocab, temperature, top_p, top_k, eos, min_p, repetition_penalty)
         q.handle = handle
+        q.vocab = self.vocab
         q.req_id = req_id
         q.priority = priority
         q.spec_k = spec_k
         q.want_lp = bool(logprobs)
         q.top_n = top_logprobs
+        q.hold = max_new
         q.keys = []
         if core_alloc(&q.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), 0, max_new, self.vocab,
                       seed) != OK:
@@ -271,7 +299,15 @@ cdef class EngineCore:
 
     @property
     def busy(self):
-        return bool(self.waiting or self.active)
+        """Whether a step has anything to do: a request waiting, a token to
+        run, or a token to choose (a request held below its count has none)."""
+        cdef Seq q
+        if self.waiting:
+            return True
+        for q in self.active:
+            if q.s.hist_len > q.s.position or q.s.generated < q.hold:
+                return True
+        return False
 
     # --------------------------------------------------------- resources ---
 
@@ -410,7 +446,7 @@ cdef class EngineCore:
         if pending > 1 or q.spec_k == 0:
             return pending if pending < budget else budget
         # one pending token: the last one chosen; drafts ride along (greedy)
-        room = q.s.max_new - q.s.generated   # emits at most room: accepted drafts + one more
+        room = min(q.s.max_new, q.hold) - q.s.generated   # emits at most room: accepted drafts + one more
         k = q.spec_k
         if k + 1 > room:
             k = room - 1 if room else 0
@@ -505,7 +541,11 @@ cdef class EngineCore:
         cdef size_t T = 0, rows = 0, n_snaps = 0, i, r, pos, g
         cdef size_t S = self.stepper.state_floats
         cdef int rc
+        if cism_flag_check(&self.abort):
+            self.cancel_everything()
+            return 0
         self.reap()
+        self.choose_held()
         plan = self.schedule()
         for q in self.waiting:
             q.waited += 1
@@ -567,11 +607,10 @@ cdef class EngineCore:
         if rc == NOMEM:
             self.out_of_memory(plan, T)
             return T
-        if rc == CANCELLED:
+        if rc == CANCELLED:   # the abort flag: everything ends "cancelled"
             for q in plan:
                 q.in_step = False
-                if not q.cancelled:
-                    self.fail(q, RuntimeError("the engine stopped during the step"))
+            self.cancel_everything()
             return T
         self.budget_cap = min(self.max_step_tokens, self.budget_cap * 2)
         self.finish_step(plan, rc == NONFINITE)
@@ -731,6 +770,9 @@ cdef class EngineCore:
                 q.s.position += q.run_n
                 memcpy(q.s.logits, row, V * sizeof(float))
                 q.s.have_logits = True
+                if q.s.generated >= q.hold:   # held: choose when the count is raised
+                    self.commit_blocks(q)
+                    continue
                 self.add_job(n_jobs, q, q.s.logits, -1)
                 n_jobs += 1
                 emits.append((q, 1))
@@ -821,6 +863,44 @@ cdef class EngineCore:
         if q.n_drafts:
             return q.snap_first + (boundary - q.run_pos - 1)
         return q.snap_first + (boundary // BLOCK - (q.run_pos // BLOCK + 1))
+
+    cdef choose_held(self):
+        """Requests that ran all their tokens while held (logits ready, no
+        token chosen) and may go on now: choose their tokens first."""
+        cdef Seq q
+        cdef list ready = [x for x in self.active
+                           if (<Seq>x).s.hist_len == (<Seq>x).s.position and (<Seq>x).s.have_logits
+                           and (<Seq>x).s.generated < (<Seq>x).hold]
+        cdef size_t i, n = len(ready)
+        cdef int nt = self.threads
+        if not n:
+            return
+        self.reserve(0, 0, 0, 0, n)
+        for i in range(n):
+            self.add_job(i, ready[i], (<Seq>ready[i]).s.logits, -1)
+        with nogil:
+            for i in prange(n, num_threads=nt if n > 1 else 1, schedule='dynamic'):
+                run_job(&self.jobs[i])
+        for i in range(n):
+            self.emit(ready[i], i, 1)
+
+    def arm_abort(self, int checks):
+        """Testing hook (BatchSession._cancel_after): the abort flag trips at
+        the checks-th cancellation point from now on."""
+        if not cism_flag_get(&self.abort):
+            cism_flag_set(&self.abort, -checks)
+
+    @property
+    def aborted(self):
+        return bool(cism_flag_get(&self.abort))
+
+    cdef cancel_everything(self):
+        """After the abort flag: every request ends "cancelled"."""
+        cdef Seq q
+        for q in list(self.waiting) + list(self.active):
+            if q.s.finish == RUNNING:
+                q.s.finish = CANCEL
+            self.finish(q, None)
 
     # ------------------------------------------------------------ endings ---
 

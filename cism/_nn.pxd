@@ -10,6 +10,9 @@ from cism._kernels cimport cism_kernels
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
+cdef extern from * nogil:
+    void __builtin_prefetch(const void *addr, int rw, int locality)
+
 cdef inline int grow_f(float **p, size_t n) noexcept nogil:
     """Replace p[0] by a buffer of n floats (and 64 spare bytes), 64-byte
     aligned so that kernel loads never straddle cache lines. The old
@@ -88,8 +91,9 @@ cdef struct KV:
     # Contiguous caches keep each (layer, KV head) as one stream: keys
     # (layers, kv_heads, capacity / 16, head_dim, 16) from keys_mem (zeroed,
     # 64-byte aligned), values (layers, kv_heads, capacity, head_dim).
-    # Paged: the pool's pages, keys (blocks, layers, kv_width, 16) and values
-    # (blocks, layers, 16, kv_width); `blocks` maps position // 16 to a page.
+    # Paged: the pool's pages (nblocks of them), layer-major: keys (layers,
+    # nblocks, kv_width, 16) and values (layers, nblocks, 16, kv_width);
+    # `blocks` maps position // 16 to a page.
     # Elements are float32, or binary16 (esize 2) when the model's
     # kv_precision is fp16 (dense models); offsets below are in elements.
     char *keys
@@ -97,6 +101,7 @@ cdef struct KV:
     void *keys_mem
     size_t capacity
     const size_t *blocks
+    size_t nblocks
     size_t layers, kv_width, kv_heads, head_dim, esize
 
 
@@ -104,7 +109,7 @@ cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcep
     """KV head kvh's key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
         return kv.keys + ((l * kv.kv_heads + kvh) * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.head_dim * 16 * kv.esize
-    return kv.keys + ((kv.blocks[pos >> 4] * kv.layers + l) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
+    return kv.keys + ((l * kv.nblocks + kv.blocks[pos >> 4]) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
 
 
 cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
@@ -112,7 +117,7 @@ cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept
     position's (in the same page) starts v_stride(kv) elements on."""
     if kv.blocks == NULL:
         return kv.values + ((l * kv.kv_heads + kvh) * kv.capacity + pos) * kv.head_dim * kv.esize
-    return kv.values + ((((kv.blocks[pos >> 4] * kv.layers + l) * 16 + (pos & 15)) * kv.kv_width
+    return kv.values + ((((l * kv.nblocks + kv.blocks[pos >> 4]) * 16 + (pos & 15)) * kv.kv_width
                          + kvh * kv.head_dim) * kv.esize)
 
 
@@ -127,13 +132,27 @@ cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
     return min(16 - (pos & 15), end - pos)
 
 
+cdef inline void prefetch_lines(const char *p, size_t n, size_t stride, size_t rows) noexcept nogil:
+    """Ask for rows of n bytes, stride apart, one cache line at a time."""
+    cdef size_t r, i
+    for r in range(rows):
+        i = 0
+        while i < n:
+            __builtin_prefetch(p + r * stride + i, 0, 3)
+            i += 64
+
+
 cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
                            size_t l, size_t kvh, size_t hd, float *sc, size_t lds, size_t span,
                            size_t t0, size_t t1) noexcept nogil:
     """sc[i * lds + tau] = score of query i against KV head kvh's key at
-    position tau, for the key tiles t0..t1 - 1 (positions below span)."""
+    position tau, for the key tiles t0..t1 - 1 (positions below span). In
+    pages the next tile is fetched while this one is scored (pages are
+    scattered: the hardware prefetcher does not follow the block table)."""
     cdef size_t t, nk
     for t in range(t0, t1):
+        if kv.blocks != NULL and t + 1 < t1:
+            prefetch_lines(k_tile(kv, l, kvh, 16 * (t + 1)), hd * 16 * kv.esize, 0, 1)
         nk = min(span - 16 * t, <size_t>16)
         if kv.esize == 2:
             K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
@@ -151,6 +170,10 @@ cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P
     cdef size_t tau = start, run
     while tau < end:
         run = key_run(kv, tau, end)
+        if kv.blocks != NULL and tau + run < end:
+            # the next page's rows of these columns, while this page's are summed
+            prefetch_lines(v_row(kv, l, kvh, tau + run) + c0 * kv.esize, n * kv.esize,
+                           kv.kv_width * kv.esize, min(end - tau - run, <size_t>16))
         if kv.esize == 2:
             K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
                           O, ldo, n)

@@ -42,6 +42,7 @@ cdef class Stepper:
     cdef readonly bint bf16_prompts      # prompt tokens run at the bf16 prefill precision
     cdef char *k_pages
     cdef char *v_pages
+    cdef size_t n_pages      # blocks in the pool
     cdef object pages_keep
 
     cdef int forward(self, StepBatch *b) noexcept nogil

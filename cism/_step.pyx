@@ -27,6 +27,7 @@ cdef class Stepper:
         if pool.dtype != self.kv_dtype:
             raise ValueError("the pool's dtype does not match the model's kv_precision")
         self.pages_keep = (k, v)
+        self.n_pages = pool.num_blocks
         self.k_pages = <char*>cnp.PyArray_DATA(k)
         self.v_pages = <char*>cnp.PyArray_DATA(v)
 

@@ -1199,4 +1199,5 @@ cdef class SurjoStepper(Stepper):
             self.kvs[r].keys = self.k_pages
             self.kvs[r].values = self.v_pages
             self.kvs[r].blocks = b.runs[r].blocks
+            self.kvs[r].nblocks = self.n_pages
         return forward(self.m, &self.w, b, self.kvs, NULL)

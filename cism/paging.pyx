@@ -3,10 +3,12 @@
 Keys and values live in two page arrays of shape
 ``(num_blocks, num_layers, block_size, kv_width)`` float32. A request (one
 session) owns an ordered list of blocks; position p of a request lives in
-slot p % 16 of its block p // 16. The key pages are a view: their memory
-holds each (page, layer) transposed, (kv_width, block_size), 64-byte
+slot p % 16 of its block p // 16. Both arrays are views of layer-major
+memory, (layers, blocks, ...), so that one layer of a sequence's blocks
+lies together (attention reads a layer at a time). The key pages' memory
+also holds each (layer, page) transposed, (kv_width, block_size), 64-byte
 aligned: the key tiles that attention reads with keys in lanes
-(cism/_dense.pyx, csrc/kernels.h scores16).
+(cism/_nn.pxd, csrc/kernels.h scores16).
 
 - The free stack is LIFO; a new pool hands out block 0 first.
 - Blocks are reference counted. ``fork`` shares a source's whole prefix
@@ -27,14 +29,26 @@ cnp.import_array()
 BLOCK_SIZE = 16
 
 
-def _key_pages(blocks, layers, kv_width, dtype):
-    """Zeroed key pages: (blocks, layers, 16, kv_width) as a view of 64-byte
-    aligned (blocks, layers, kv_width, 16) memory."""
-    n = blocks * layers * kv_width * BLOCK_SIZE
+def _aligned_zeros(n, dtype):
     size = np.dtype(dtype).itemsize
     buf = np.zeros(n + 64 // size, dtype)
     skip = (-buf.ctypes.data // size) % (64 // size)
-    return buf[skip: skip + n].reshape(blocks, layers, kv_width, BLOCK_SIZE).transpose(0, 1, 3, 2)
+    return buf[skip: skip + n]
+
+
+def _key_pages(blocks, layers, kv_width, dtype):
+    """Zeroed key pages: (blocks, layers, 16, kv_width) as a view of 64-byte
+    aligned (layers, blocks, kv_width, 16) memory: layer-major, so a
+    sequence's consecutive blocks of one layer lie side by side."""
+    n = blocks * layers * kv_width * BLOCK_SIZE
+    return _aligned_zeros(n, dtype).reshape(layers, blocks, kv_width, BLOCK_SIZE).transpose(1, 0, 3, 2)
+
+
+def _value_pages(blocks, layers, kv_width, dtype):
+    """Zeroed value pages: (blocks, layers, 16, kv_width) as a view of
+    (layers, blocks, 16, kv_width) memory (layer-major, as the keys)."""
+    n = blocks * layers * kv_width * BLOCK_SIZE
+    return _aligned_zeros(n, dtype).reshape(layers, blocks, BLOCK_SIZE, kv_width).transpose(1, 0, 2, 3)
 
 
 class OutOfBlocks(RuntimeError):
@@ -95,7 +109,7 @@ cdef class BlockPool:
         shape = (num_blocks, num_layers, block_size, kv_width)
         try:
             self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width, dtype)
-            self.v_pages_ = np.zeros(shape, dtype)
+            self.v_pages_ = _value_pages(num_blocks, num_layers, kv_width, dtype)
         except MemoryError:
             raise MemoryError(f"cannot allocate a KV pool of {num_blocks} blocks") from None
         self.num_blocks = num_blocks
@@ -341,7 +355,7 @@ cdef class BlockPool:
         self._check_bytes(total)
         shape = (total, self.num_layers, self.block_size, self.kv_width)
         k = _key_pages(total, self.num_layers, self.kv_width, self.dtype)
-        v = np.zeros(shape, self.dtype)
+        v = _value_pages(total, self.num_layers, self.kv_width, self.dtype)
         k[: self.num_blocks] = self.k_pages_
         v[: self.num_blocks] = self.v_pages_
         self.k_pages_, self.v_pages_ = k, v

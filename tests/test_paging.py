@@ -273,16 +273,17 @@ def test_pool_basics_and_errors():
 
 
 def test_pool_pages_are_views_of_key_tiles_in_either_dtype():
-    """The key pages keep the spec's (blocks, layers, 16, kv_width) shape as
-    a view of memory holding each page's keys transposed (kv_width, 16),
-    64-byte aligned, for attention's key tiles; float16 pools (a model's
-    kv_precision "fp16") take half the bytes and keep that through grow and
-    copies."""
+    """The pages keep the spec's (blocks, layers, 16, kv_width) shape as
+    views of layer-major memory (a layer's blocks side by side), the keys
+    holding each page's keys transposed (kv_width, 16), 64-byte aligned, for
+    attention's key tiles; float16 pools (a model's kv_precision "fp16")
+    take half the bytes and keep that through grow and copies."""
     for dtype in (np.float32, np.float16):
         pool = BlockPool(3, 2, 8, dtype=dtype)
-        k = pool.k_pages
-        assert k.shape == (3, 2, 16, 8) and k.dtype == dtype and pool.v_pages.dtype == dtype
-        assert k.strides == (2 * 8 * 16 * k.itemsize, 8 * 16 * k.itemsize, k.itemsize, 16 * k.itemsize)
+        k, v = pool.k_pages, pool.v_pages
+        assert k.shape == v.shape == (3, 2, 16, 8) and k.dtype == dtype and v.dtype == dtype
+        assert k.strides == (8 * 16 * k.itemsize, 3 * 8 * 16 * k.itemsize, k.itemsize, 16 * k.itemsize)
+        assert v.strides == (16 * 8 * v.itemsize, 3 * 16 * 8 * v.itemsize, 8 * v.itemsize, v.itemsize)
         assert k.ctypes.data % 64 == 0
         assert pool.kv_bytes() == pool.kv_elements() * 2 * np.dtype(dtype).itemsize
         k[1, 0, 5, 3] = 7
