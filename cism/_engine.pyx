@@ -17,7 +17,7 @@ cimport numpy as cnp
 from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy,
@@ -67,6 +67,8 @@ cdef class Seq:
     cdef list keys                    # prefix-cache keys of its leading full blocks
     cdef readonly size_t cached_tokens, preemptions, recomputed_tokens
     cdef readonly object error
+    cdef readonly Seq leader          # a request with the same prompt it forks from once prefilled
+    cdef list followers               # requests waiting to fork from this one
     # this step
     cdef size_t run_n, run_first, run_pos, out_row, n_drafts, snap_first
     cdef int64_t drafts[MAX_K]
@@ -245,9 +247,13 @@ cdef class EngineCore:
         return p, max_new
 
     def add(self, handle, long long req_id, prompt, max_new_tokens, temperature, top_p, top_k,
-            seed, eos, min_p, repetition_penalty, priority, spec_k, logprobs, top_logprobs):
+            seed, eos, min_p, repetition_penalty, priority, spec_k, logprobs, top_logprobs,
+            Seq leader=None):
         """Queue a request (arguments validated by the caller with check(),
-        parse_params and check_spec_k); returns its Seq."""
+        parse_params and check_spec_k); returns its Seq. With a leader of
+        the same prompt, it waits for the leader's prefill and forks from it
+        (sharing its blocks, copying its logits and state): n completions of
+        one prompt prefill it once."""
         cdef Seq q = Seq()
         cdef cnp.ndarray p
         p, max_new = self.check(prompt, max_new_tokens)
@@ -260,6 +266,7 @@ cdef class EngineCore:
         q.want_lp = bool(logprobs)
         q.top_n = top_logprobs
         q.hold = max_new
+        q.followers = []
         q.keys = []
         if core_alloc(&q.s, <const int64_t*>cnp.PyArray_DATA(p), len(p), 0, max_new, self.vocab,
                       seed) != OK:
@@ -279,6 +286,11 @@ cdef class EngineCore:
         if q.s.finish != RUNNING:  # max_new_tokens 0: done before it starts
             self.finish(q, None)
         else:
+            if (leader is not None and leader.phase != DONE and leader.s.position < leader.s.prompt_end
+                    and leader.s.prompt_end == q.s.prompt_end
+                    and memcmp(leader.s.history, q.s.history, q.s.prompt_end * sizeof(int64_t)) == 0):
+                q.leader = leader
+                leader.followers.append(q)
             self.waiting.append(q)
         return q
 
@@ -475,9 +487,13 @@ cdef class EngineCore:
             q.in_step = True
             plan.append(q)
             budget -= want
-        # admission: best-ranked first, while there is room
-        while self.waiting and len(self.active) < self.max_seqs and budget > 0:
-            q = max(self.waiting, key=lambda s: s.rank(aging))
+        # admission: best-ranked first, while there is room (a follower
+        # waits while its leader prefills: it forks from it afterwards)
+        while len(self.active) < self.max_seqs and budget > 0:
+            candidates = [x for x in self.waiting if not self.follows(x)]
+            if not candidates:
+                break
+            q = max(candidates, key=lambda s: s.rank(aging))
             if not self.admit(q, budget, plan):
                 break   # no skipping ahead of it: it would wait forever behind smaller ones
             q.in_step = True
@@ -485,6 +501,56 @@ cdef class EngineCore:
             # (admission may have preempted planned requests ranked below it)
             budget = self.budget_cap - sum((<Seq>x).run_n for x in plan)
         return plan
+
+    cdef bint follows(self, Seq q):
+        """Whether q still waits for its leader's prefill (the link is dropped
+        once the leader cannot lead any more)."""
+        cdef Seq lead = q.leader
+        if lead is None:
+            return False
+        if lead.phase == ACTIVE and lead.s.position < lead.s.prompt_end:
+            return True
+        if lead.phase == WAITING and lead.s.position == 0 and lead.s.hist_len == lead.s.prompt_end:
+            return True   # not admitted yet, its prompt untouched
+        self.unlink(q)
+        return False
+
+    cdef unlink(self, Seq q):
+        if q.leader is not None:
+            if q in q.leader.followers:
+                q.leader.followers.remove(q)
+            q.leader = None
+
+    cdef fork_followers(self, Seq lead):
+        """Right after lead's prompt ran: its waiting followers start from
+        its blocks (full ones shared, the tail copied), logits and state,
+        as far as there is room; the others are admitted as usual later."""
+        cdef Seq f
+        cdef size_t S = self.stepper.state_floats
+        for f in list(lead.followers):
+            self.unlink(f)
+            if f.phase != WAITING or f.cancelled or len(self.active) >= self.max_seqs:
+                continue
+            if self.pool is not None:
+                if lead.s.prompt_end % BLOCK and self.pool.free_count() == 0:
+                    if self.cache is None or not self.cache.evict(1):
+                        continue
+                self.pool.fork(f.req_id, lead.req_id, lead.s.prompt_end)
+                self.sync_blocks(f)
+            if S:
+                f.state = <float*>malloc((S + 16) * sizeof(float))
+                if f.state == NULL:
+                    self.release(f)
+                    continue
+                memcpy(f.state, lead.state, S * sizeof(float))
+            f.s.position = lead.s.prompt_end
+            memcpy(f.s.logits, lead.s.logits, self.vocab * sizeof(float))
+            f.s.have_logits = True
+            f.keys = list(lead.keys[:lead.s.prompt_end // BLOCK])
+            f.cached_tokens += lead.s.prompt_end
+            f.phase = ACTIVE
+            self.waiting.remove(f)
+            self.active.append(f)
 
     # -------------------------------------------------------------- step ---
 
@@ -784,6 +850,8 @@ cdef class EngineCore:
                 run_job(&self.jobs[i])
         n_jobs = 0
         for q, count in emits:
+            if q.followers and q.s.position == q.s.prompt_end:
+                self.fork_followers(q)   # (before emit: the leader may finish at its first token)
             self.emit(q, n_jobs, count)
             n_jobs += count
 
@@ -913,6 +981,9 @@ cdef class EngineCore:
             self.finish(q, None)
 
     cdef finish(self, Seq q, error):
+        self.unlink(q)
+        for f in list(q.followers):
+            self.unlink(f)
         if q.phase == ACTIVE:
             self.active.remove(q)
         elif q.phase == WAITING and q in self.waiting:

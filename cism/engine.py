@@ -66,6 +66,7 @@ class Request:
         self.cached_tokens = 0
         self.preemptions = 0
         self._seq = None
+        self._leader = None
         self._cancel = False
         self._cond = threading.Condition()
         self._waiters = []
@@ -380,7 +381,7 @@ class Engine:
 
     def submit(self, prompt, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                repetition_penalty=1.0, seed=0, eos=(), stop_token_ids=(), priority=0, spec_k=0,
-               logprobs=False, top_logprobs=0):
+               logprobs=False, top_logprobs=0, _leader=None):
         """Queue a request and return its Request at once. Arguments are
         checked here (ValueError names the field). ``eos`` and
         ``stop_token_ids`` end it with "stop"; ``spec_k`` 2..16 speculates
@@ -432,6 +433,7 @@ class Engine:
             if self.max_queue is not None and self.queue_depth() >= self.max_queue:
                 raise QueueFull(f"the engine's queue is full ({self.max_queue} waiting requests)")
             req = Request(self, next(self._ids), [int(x) for x in p], params)
+            req._leader = _leader
             self._submitted += 1
             self._prompt_tokens += len(p)
             if max_new:
@@ -442,6 +444,19 @@ class Engine:
             return req
         self._wake()
         return req
+
+    def submit_n(self, prompt, n, max_new_tokens=256, *, seed=0, **params):
+        """n requests for one prompt (OpenAI's ``n``), seeds seed, seed + 1,
+        ...: the first prefills the prompt, the others fork from its blocks
+        (full blocks shared, copy on write for the tail) and its logits."""
+        if not is_int(n) or not 1 <= n <= 128:
+            raise ValueError(f"n must be an integer in [1, 128], got {n!r}")
+        seed = check_seed(seed)
+        first = self.submit(prompt, max_new_tokens, seed=seed, **params)
+        out = [first]
+        for i in range(1, n):
+            out.append(self.submit(prompt, max_new_tokens, seed=(seed + i) % 2**64, _leader=first, **params))
+        return out
 
     def generate(self, prompt, max_new_tokens=256, **params):
         """submit() and wait: the request's tokens."""
@@ -465,10 +480,12 @@ class Engine:
         while self._inbox:
             req = self._inbox.popleft()
             p = req.params
+            leader = req._leader._seq if req._leader is not None else None
+            req._leader = None
             try:
                 seq = core.add(req, req.id, req.prompt, p["max_new_tokens"], p["temperature"], p["top_p"],
                                p["top_k"], p["seed"], p["eos"], p["min_p"], p["repetition_penalty"],
-                               p["priority"], p["spec_k"], p["logprobs"], p["top_logprobs"])
+                               p["priority"], p["spec_k"], p["logprobs"], p["top_logprobs"], leader)
             except Exception as e:   # (validated at submit: only memory can fail here)
                 req._finish("error", e)
                 continue

@@ -205,6 +205,11 @@ class EngineMachine(RuleBasedStateMachine):
             kw.update(spec_k=4)
         self.reqs.append(self.engine.submit(prompt, max_new, **kw))
 
+    @rule(prefix=st.integers(0, 4), n=st.integers(2, 3), seed=st.integers(0, 2**32))
+    def submit_n(self, prefix, n, seed):
+        prompt = self.prefixes[prefix][:40] + [seed % self.vocab]
+        self.reqs += self.engine.submit_n(prompt, n, 6, temperature=0.8, seed=seed)
+
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def cancel(self, data):
@@ -374,6 +379,26 @@ def test_a_shared_prompt_is_computed_once_when_requests_queue():
         assert [r.cached_tokens for r in reqs] == [0, 80, 80, 80]
         for r in reqs:
             assert_matches_solo(m, r)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_n_completions_prefill_their_prompt_once(family):
+    m = model_of(family)
+    prompt = np.random.default_rng(6).integers(0, m.config.vocab, 45).tolist()
+    with Engine(m, kv_blocks=40, start=False) as eng:
+        reqs = eng.submit_n(prompt, 4, 12, temperature=0.9, seed=5, logprobs=True)
+        run(eng)
+        assert [r.cached_tokens for r in reqs] == [0, 45, 45, 45]
+        assert eng.stats()["tokens_run"] == 45 + 4 * 11    # the prompt once, then decode
+        assert [r.params["seed"] for r in reqs] == [5, 6, 7, 8]
+        for r in reqs:
+            assert_matches_solo(m, r)
+        # a follower whose leader is cancelled before its prefill runs is admitted alone
+        lead, follow = eng.submit_n(prompt, 2, 6, seed=1)
+        lead.cancel()
+        run(eng)
+        assert lead.finish_reason == "cancelled" and follow.finish_reason == "length"
+        assert_matches_solo(m, follow)
 
 
 # ----------------------------------------------------- scheduling and recovery ---
