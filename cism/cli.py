@@ -301,6 +301,39 @@ def cmd_info(args):
     return 0
 
 
+# ------------------------------------------------------------------- serve ---
+
+def served_name(args):
+    if args.model_name:
+        return args.model_name
+    base = os.path.basename(os.path.normpath(model_path(args)))
+    for ext in (".gguf", ".bin"):
+        if base.endswith(ext):
+            base = base[:-len(ext)]
+    return base
+
+
+def cmd_serve(args):
+    from cism.server.run import engine_options, need_serving_deps, serve
+    need_serving_deps()
+    api_key = args.api_key or os.environ.get("CISM_API_KEY") or None
+    if args.port < 0 or args.port > 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.ray:
+        from cism.server.ray import serve_ray
+        return serve_ray(model_path(args), model_name=served_name(args), host=args.host, port=args.port,
+                         replicas=args.replicas, api_key=api_key,
+                         model_options=dict(precision=args.precision, act_precision=args.act_precision,
+                                            kv_precision=args.kv_precision, threads=args.threads),
+                         engine_kwargs=engine_options(args))
+    model = load_model(args)
+    if model.tokenizer is None:
+        raise CliError("the model has no tokenizer next to it; the HTTP API needs one")
+    return serve(model, model_name=served_name(args), host=args.host, port=args.port, api_key=api_key,
+                 engine_kwargs=engine_options(args), max_body_bytes=args.max_body_bytes,
+                 log_level=args.log_level)
+
+
 # --------------------------------------------------------------------- main ---
 
 def parser():
@@ -345,6 +378,25 @@ def parser():
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and a chat page at /)")
+    add_model_args(s)
+    s.add_argument("--model-name", help="the name clients use (default: the model file's name)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080, help="0: any free port")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $CISM_API_KEY)")
+    s.add_argument("--max-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    s.add_argument("--max-step-tokens", type=int, default=256,
+                   help="tokens per engine step (decode tokens first, then prompt chunks)")
+    s.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV pool blocks of 16 positions (default: room for --max-seqs x 2048 tokens, <= 1 GiB)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="turn automatic prefix caching off")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--ray", action="store_true", help="serve through Ray Serve (pip install \"cism[ray]\")")
+    s.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (with --ray)")
+    s.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="ISA variants, OpenMP, threads, and a model summary")
     add_model_args(i)

@@ -150,11 +150,22 @@ class Request:
             raise self.error
 
     async def __aiter__(self):
+        async for tokens, _, _ in self.updates():
+            for t in tokens:
+                yield t
+
+    async def updates(self):
+        """Async batches of what is new: (tokens, logprobs, top_logprobs)
+        lists (the last two None without logprobs). Raises the request's
+        error, if any, at the end."""
         loop = asyncio.get_running_loop()
         i = 0
         while True:
             with self._cond:
-                batch = self.tokens[i:]
+                n = len(self.tokens)
+                batch = self.tokens[i:n]
+                lps = self.logprobs[i:n] if self.logprobs is not None else None
+                tops = self.top_logprobs[i:n] if self.top_logprobs is not None else None
                 finished = self.finish_reason is not None
                 fut = None
                 if not batch and not finished:
@@ -163,10 +174,10 @@ class Request:
             if fut is not None:
                 await fut
                 continue
-            for t in batch:
-                yield t
-            i += len(batch)
-            if finished and i >= len(self.tokens):
+            if batch:
+                yield batch, lps, tops
+            i = n
+            if finished:
                 break
         if self.error is not None:
             raise self.error

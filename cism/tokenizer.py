@@ -381,6 +381,16 @@ class Tokenizer:
         ids = [self._check_id(t) for t in ids]
         return self._hf.decode(ids, skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id):
+        """The bytes token `token_id` stands for (its piece; a special token's
+        name), as OpenAI's logprobs report them."""
+        i = self._check_id(token_id)
+        if i in self._special_ids:
+            return self._tokens[i].encode("utf-8")
+        if self._pieces is None:
+            return self._hf_decode([i], False).encode("utf-8")
+        return self._pieces[i]
+
     def stream_decoder(self, skip_special=True):
         """A StreamDecoder: push ids one at a time, get text as soon as it is
         complete UTF-8."""

@@ -1,0 +1,91 @@
+"""cism on Ray Serve: every replica holds one model and its engine and
+serves the same routes as `cism serve`, behind Serve's HTTP proxy.
+
+One machine (Serve starts a local Ray instance):
+
+    cism serve --ray --replicas 2 --model model.gguf --precision int8 --port 8000
+
+or in Python:
+
+    from ray import serve
+    from cism.server.ray import deployment
+    serve.run(deployment("model.gguf", precision="int8", num_replicas=2), route_prefix="/")
+
+A cluster: ``ray start --head`` on one machine, ``ray start --address=HEAD:6379``
+on the others, then the same command on the head (it joins the running
+cluster; Serve places replicas on any node with free CPUs). Replicas can also
+autoscale: ``deployment(..., autoscaling_config={"min_replicas": 1,
+"max_replicas": 8, "target_ongoing_requests": 16})``. Every node needs the
+model file at the same path (or pass a path on shared storage).
+"""
+import os
+import sys
+import time
+
+try:
+    from ray import serve
+except ImportError as e:   # an optional extra
+    raise ImportError('cism.server.ray needs Ray Serve: pip install "cism[ray]"') from e
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.ingress()
+class CismReplica:
+    """One replica: a model, its engine, and the app of cism.server."""
+
+    def __init__(self, model_path, model_name, model_options, engine_kwargs, api_key=None):
+        import cism
+        options = {k: v for k, v in (model_options or {}).items() if v is not None}
+        if options.get("kv_precision") == "fp32":
+            options.pop("kv_precision")
+        self.model = cism.load(model_path, **options)
+        self.engine = cism.Engine(self.model, **(engine_kwargs or {}))
+        self.model_name = model_name
+        self.api_key = api_key
+
+    def __serve_build_asgi_app__(self):
+        from cism.server.app import create_app
+        return create_app(self.engine, model_name=self.model_name, api_key=self.api_key)
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(drain=False, timeout=10)
+
+
+def deployment(model_path, *, model_name=None, api_key=None, engine_kwargs=None, num_replicas=1,
+               autoscaling_config=None, num_cpus=1, **model_options):
+    """A bound Ray Serve application of cism replicas (pass it to serve.run)."""
+    name = model_name or os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
+    opts = {"ray_actor_options": {"num_cpus": num_cpus}}
+    if autoscaling_config is not None:
+        opts["autoscaling_config"] = autoscaling_config
+    else:
+        opts["num_replicas"] = num_replicas
+    return CismReplica.options(**opts).bind(os.path.abspath(model_path), name, model_options,
+                                            engine_kwargs or {}, api_key)
+
+
+def serve_ray(model_path, *, model_name, host, port, replicas, api_key, model_options, engine_kwargs,
+              out=sys.stderr):
+    """`cism serve --ray`: run the replicas behind Serve's proxy until interrupted."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+                 log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    app = deployment(model_path, model_name=model_name, api_key=api_key, engine_kwargs=engine_kwargs,
+                     num_replicas=replicas, **model_options)
+    serve.run(app, name="cism", route_prefix="/")
+    print(f"cism: serving {model_name} on Ray Serve ({replicas} replicas) at http://{host}:{port}/  "
+          "(Ctrl-C stops)", file=out, flush=True)
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("cism: server stopped", file=out, flush=True)
+    return 0
