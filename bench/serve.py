@@ -150,7 +150,9 @@ def run_http(url, reqs, clients, model_name):
     async def main():
         records = []
         work = iter(list(reqs))
-        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+        # a connection per request: llama-server (cpp-httplib) drops idle
+        # keep-alive connections without notice, which httpx would reuse
+        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as h:
             async def client():
                 while True:
@@ -204,7 +206,9 @@ def wait_ready(url, proc, what, timeout=180):
 
 class Process:
     def __init__(self, cmd, url, what, env=None):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        log = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-serve-{what.replace(' ', '-')}.log")
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = url
         wait_ready(url, self.proc, what)
 
@@ -214,6 +218,7 @@ class Process:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def start_cism(path, threads, prefix_cache, max_seqs):

@@ -419,7 +419,7 @@ cdef class DenseModel(WeightStore):
 
     cdef object new_pool(self, cap):
         return BlockPool(cap, self.c.layers, self.c.kv_width,
-                         dtype=np.float16 if self.c.kv_f16 else np.float32)
+                         dtype=np.float16 if self.c.kv_f16 else np.float32, head_dim=self.c.head_dim)
 
     def __repr__(self):
         c = self.config
@@ -1300,7 +1300,8 @@ cdef class BatchSession:
         self.kv_bytes = nbytes
         self.B = len(arrays)
         stepper = DenseStepper(model)
-        pool = BlockPool(blocks, model.c.layers, model.c.kv_width, dtype=stepper.kv_dtype)
+        pool = BlockPool(blocks, model.c.layers, model.c.kv_width, dtype=stepper.kv_dtype,
+                         head_dim=model.c.head_dim)
         # the pool holds every sequence whole: no preemption, no cache
         self.core = EngineCore(stepper, pool, False, 0, self.B, PREFILL_CHUNK, 1, model.c.threads)
         self.seqs = []
@@ -1400,6 +1401,7 @@ cdef class DenseStepper(Stepper):
         self.state_floats = 0
         self.kv_layers = model.c.layers
         self.kv_width = model.c.kv_width
+        self.head_dim = model.c.head_dim
         self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
         self.bf16_prompts = model.c.prefill_bf16
 

@@ -585,6 +585,7 @@ cdef class FwkvStepper(Stepper):
         self.state_floats = model.c.layers * model.c.d
         self.kv_layers = 0
         self.kv_width = 0
+        self.head_dim = 0
         self.kv_dtype = None
         self.bf16_prompts = False
 

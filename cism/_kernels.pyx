@@ -27,6 +27,7 @@ cdef extern from "scratch.h" nogil:
 cdef extern from "omp_shim.h" nogil:
     int cism_omp_available()
     int cism_omp_max_threads()
+    int cism_omp_release_team()
 
 OPENMP = bool(cism_omp_available())
 
@@ -334,3 +335,15 @@ def start_threads(int threads):
     with nogil:
         for t in prange(threads, num_threads=threads, schedule='static'):
             sink += <uint64_t>t
+
+
+def release_threads():
+    """End the calling thread's OpenMP team. libgomp keeps one team per
+    thread that runs parallel code, and once it manages more threads than
+    the CPUs it may use, every team's workers stop spinning between parallel
+    regions and sleep: each region then waits for a wake-up, which halved a
+    serving engine's decode when the thread that loaded the model kept its
+    team. cism.Engine calls this on the thread that starts it; a later
+    parallel region on this thread makes a new team. Returns libgomp's code
+    (0: done)."""
+    return cism_omp_release_team()

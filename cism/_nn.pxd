@@ -91,9 +91,10 @@ cdef struct KV:
     # Contiguous caches keep each (layer, KV head) as one stream: keys
     # (layers, kv_heads, capacity / 16, head_dim, 16) from keys_mem (zeroed,
     # 64-byte aligned), values (layers, kv_heads, capacity, head_dim).
-    # Paged: the pool's pages (nblocks of them), layer-major: keys (layers,
-    # nblocks, kv_width, 16) and values (layers, nblocks, 16, kv_width);
-    # `blocks` maps position // 16 to a page.
+    # Paged: the pool's pages (nblocks of them), keys (layers, kv_heads,
+    # nblocks, head_dim, 16) and values (layers, kv_heads, nblocks, 16,
+    # head_dim): each (layer, KV head) a stream of blocks, so consecutive
+    # blocks read as one run; `blocks` maps position // 16 to a page.
     # Elements are float32, or binary16 (esize 2) when the model's
     # kv_precision is fp16 (dense models); offsets below are in elements.
     char *keys
@@ -109,7 +110,7 @@ cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcep
     """KV head kvh's key tile holding position pos (in lane pos & 15)."""
     if kv.blocks == NULL:
         return kv.keys + ((l * kv.kv_heads + kvh) * ((kv.capacity + 15) >> 4) + (pos >> 4)) * kv.head_dim * 16 * kv.esize
-    return kv.keys + ((l * kv.nblocks + kv.blocks[pos >> 4]) * kv.kv_width + kvh * kv.head_dim) * 16 * kv.esize
+    return kv.keys + (((l * kv.kv_heads + kvh) * kv.nblocks + kv.blocks[pos >> 4]) * kv.head_dim * 16) * kv.esize
 
 
 cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:
@@ -117,19 +118,26 @@ cdef inline char *v_row(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept
     position's (in the same page) starts v_stride(kv) elements on."""
     if kv.blocks == NULL:
         return kv.values + ((l * kv.kv_heads + kvh) * kv.capacity + pos) * kv.head_dim * kv.esize
-    return kv.values + ((((l * kv.nblocks + kv.blocks[pos >> 4]) * 16 + (pos & 15)) * kv.kv_width
-                         + kvh * kv.head_dim) * kv.esize)
+    return kv.values + ((((l * kv.kv_heads + kvh) * kv.nblocks + kv.blocks[pos >> 4]) * 16 + (pos & 15))
+                        * kv.head_dim * kv.esize)
 
 
 cdef inline size_t v_stride(const KV *kv) noexcept nogil:
-    return kv.head_dim if kv.blocks == NULL else kv.kv_width
+    return kv.head_dim
 
 
 cdef inline size_t key_run(const KV *kv, size_t pos, size_t end) noexcept nogil:
-    """How many positions from pos (< end) sit in consecutive cache rows."""
+    """How many positions from pos (< end) sit in consecutive cache rows
+    (in pages: up to the next block that does not follow its predecessor)."""
+    cdef size_t b, n
     if kv.blocks == NULL:
         return end - pos
-    return min(16 - (pos & 15), end - pos)
+    b = pos >> 4
+    n = 16 - (pos & 15)
+    while pos + n < end and kv.blocks[b + 1] == kv.blocks[b] + 1:
+        b += 1
+        n += 16
+    return min(n, end - pos)
 
 
 cdef inline void prefetch_lines(const char *p, size_t n, size_t stride, size_t rows) noexcept nogil:
@@ -151,7 +159,7 @@ cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, 
     scattered: the hardware prefetcher does not follow the block table)."""
     cdef size_t t, nk
     for t in range(t0, t1):
-        if kv.blocks != NULL and t + 1 < t1:
+        if kv.blocks != NULL and t + 1 < t1 and kv.blocks[t + 1] != kv.blocks[t] + 1:
             prefetch_lines(k_tile(kv, l, kvh, 16 * (t + 1)), hd * 16 * kv.esize, 0, 1)
         nk = min(span - 16 * t, <size_t>16)
         if kv.esize == 2:
@@ -173,7 +181,7 @@ cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P
         if kv.blocks != NULL and tau + run < end:
             # the next page's rows of these columns, while this page's are summed
             prefetch_lines(v_row(kv, l, kvh, tau + run) + c0 * kv.esize, n * kv.esize,
-                           kv.kv_width * kv.esize, min(end - tau - run, <size_t>16))
+                           kv.head_dim * kv.esize, min(end - tau - run, <size_t>16))
         if kv.esize == 2:
             K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
                           O, ldo, n)

@@ -38,6 +38,7 @@ cdef class Stepper:
     cdef readonly size_t state_floats    # floats of one sequence's recurrent state (0: none)
     cdef readonly size_t kv_layers       # KV "layers" in the pool pages (0: no paged KV)
     cdef readonly size_t kv_width
+    cdef readonly size_t head_dim        # the pool's head_dim (its KV heads' width)
     cdef readonly object kv_dtype        # numpy dtype of the pool pages
     cdef readonly bint bf16_prompts      # prompt tokens run at the bf16 prefill precision
     cdef char *k_pages

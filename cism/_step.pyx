@@ -22,7 +22,8 @@ cdef class Stepper:
         them: pages never move while its blocks are in use)."""
         cdef cnp.ndarray k = pool.k_pages
         cdef cnp.ndarray v = pool.v_pages
-        if pool.num_layers != self.kv_layers or pool.kv_width != self.kv_width:
+        if (pool.num_layers != self.kv_layers or pool.kv_width != self.kv_width
+                or pool.head_dim != self.head_dim):
             raise ValueError("the pool's shape does not match the model's KV")
         if pool.dtype != self.kv_dtype:
             raise ValueError("the pool's dtype does not match the model's kv_precision")

@@ -1173,6 +1173,7 @@ cdef class SurjoStepper(Stepper):
         self.state_floats = model.c.n_states * model.c.state_len
         self.kv_layers = model.c.n_slots
         self.kv_width = model.c.kv_width
+        self.head_dim = model.c.head_dim
         self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
         self.bf16_prompts = False
 

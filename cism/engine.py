@@ -267,9 +267,11 @@ def _kv_blocks_default(model, stepper, max_seqs):
     return blocks
 
 
-def _engine_loop(ref, signal):
+def _engine_loop(ref, signal, threads):
     """The engine thread: step while there is work, sleep on the signal
     while there is none, end once the engine is shut down or gone."""
+    from cism import _kernels
+    _kernels.start_threads(threads)   # its OpenMP team, made while memory is plentiful
     while True:
         with signal:
             engine = ref()
@@ -345,7 +347,8 @@ class Engine:
                 reserve(nbytes, f"the engine's pool ({kv_blocks} blocks)")
                 self._pool_bytes = nbytes
             try:
-                pool = BlockPool(kv_blocks, stepper.kv_layers, stepper.kv_width, dtype=stepper.kv_dtype)
+                pool = BlockPool(kv_blocks, stepper.kv_layers, stepper.kv_width, dtype=stepper.kv_dtype,
+                                 head_dim=stepper.head_dim)
             except BaseException:
                 self._release_pool()
                 raise
@@ -369,9 +372,16 @@ class Engine:
                            "ttft_seconds": _Histogram(LATENCY_BUCKETS)}
         self._thread = None
         if start:
+            # one OpenMP team in the process, the step thread's: with a second
+            # one (this thread's, from loading the model) libgomp stops
+            # spinning between parallel regions and decode slows ~2x
+            # (_kernels.release_threads)
+            from cism import _kernels
+            _kernels.release_threads()
             # the thread holds the engine only while it steps, so an engine
             # nobody references is collected (and its thread ends)
-            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._signal),
+            self._thread = threading.Thread(target=_engine_loop,
+                                            args=(weakref.ref(self), self._signal, model.thread_count),
                                             name="cism-engine", daemon=True)
             self._thread.start()
 

@@ -1,14 +1,15 @@
 """The paged KV block pool (``cism.paging.BlockPool``).
 
 Keys and values live in two page arrays of shape
-``(num_blocks, num_layers, block_size, kv_width)`` float32. A request (one
-session) owns an ordered list of blocks; position p of a request lives in
-slot p % 16 of its block p // 16. Both arrays are views of layer-major
-memory, (layers, blocks, ...), so that one layer of a sequence's blocks
-lies together (attention reads a layer at a time). The key pages' memory
-also holds each (layer, page) transposed, (kv_width, block_size), 64-byte
-aligned: the key tiles that attention reads with keys in lanes
-(cism/_nn.pxd, csrc/kernels.h scores16).
+``(num_blocks, num_layers, block_size, kv_width)`` (float32 or float16). A
+request (one session) owns an ordered list of blocks; position p of a
+request lives in slot p % 16 of its block p // 16. Both arrays are views of
+memory ordered (layers, KV heads, blocks, ...) when the pool knows the
+model's head_dim: attention reads one (layer, head) stream at a time, and a
+request whose blocks are consecutive reads it as one run, as from a
+contiguous cache. The key memory holds each (layer, head, block)
+transposed, (head_dim, 16), 64-byte aligned: the key tiles that attention
+reads with keys in lanes (cism/_nn.pxd, csrc/kernels.h scores16).
 
 - The free stack is LIFO; a new pool hands out block 0 first.
 - Blocks are reference counted. ``fork`` shares a source's whole prefix
@@ -36,19 +37,27 @@ def _aligned_zeros(n, dtype):
     return buf[skip: skip + n]
 
 
-def _key_pages(blocks, layers, kv_width, dtype):
-    """Zeroed key pages: (blocks, layers, 16, kv_width) as a view of 64-byte
-    aligned (layers, blocks, kv_width, 16) memory: layer-major, so a
-    sequence's consecutive blocks of one layer lie side by side."""
+def _key_pages(blocks, layers, kv_width, head_dim, dtype):
+    """Zeroed key pages as a view of 64-byte aligned (layers, kv_heads,
+    blocks, head_dim, 16) memory: for each (layer, KV head) its blocks side
+    by side, each holding that head's keys of 16 positions transposed (a
+    key tile). The view is (blocks, layers, 16, kv_width), or (blocks,
+    layers, 16, kv_heads, head_dim) when a block has several heads."""
+    heads = kv_width // head_dim
     n = blocks * layers * kv_width * BLOCK_SIZE
-    return _aligned_zeros(n, dtype).reshape(layers, blocks, kv_width, BLOCK_SIZE).transpose(1, 0, 3, 2)
+    mem = _aligned_zeros(n, dtype).reshape(layers, heads, blocks, head_dim, BLOCK_SIZE)
+    view = mem.transpose(2, 0, 4, 1, 3)
+    return view.reshape(blocks, layers, BLOCK_SIZE, kv_width) if heads == 1 else view
 
 
-def _value_pages(blocks, layers, kv_width, dtype):
-    """Zeroed value pages: (blocks, layers, 16, kv_width) as a view of
-    (layers, blocks, 16, kv_width) memory (layer-major, as the keys)."""
+def _value_pages(blocks, layers, kv_width, head_dim, dtype):
+    """Zeroed value pages: (layers, kv_heads, blocks, 16, head_dim) memory,
+    viewed as the key pages are."""
+    heads = kv_width // head_dim
     n = blocks * layers * kv_width * BLOCK_SIZE
-    return _aligned_zeros(n, dtype).reshape(layers, blocks, BLOCK_SIZE, kv_width).transpose(1, 0, 2, 3)
+    mem = _aligned_zeros(n, dtype).reshape(layers, heads, blocks, BLOCK_SIZE, head_dim)
+    view = mem.transpose(2, 0, 3, 1, 4)
+    return view.reshape(blocks, layers, BLOCK_SIZE, kv_width) if heads == 1 else view
 
 
 class OutOfBlocks(RuntimeError):
@@ -68,8 +77,12 @@ def _count(value, name):
 
 
 cdef class BlockPool:
-    """``BlockPool(num_blocks, num_layers, kv_width, block_size=16)``."""
-    cdef readonly size_t num_blocks, num_layers, kv_width, block_size
+    """``BlockPool(num_blocks, num_layers, kv_width, block_size=16,
+    dtype=np.float32, head_dim=None)``. With ``head_dim`` (a divisor of
+    kv_width: a model's KV heads), each head's keys and values of a layer
+    lie in their own stream of blocks, and the page views are (blocks,
+    layers, 16, kv_heads, head_dim)."""
+    cdef readonly size_t num_blocks, num_layers, kv_width, block_size, head_dim
     cdef list free_stack_
     cdef dict table_
     cdef list refcounts
@@ -79,7 +92,8 @@ cdef class BlockPool:
     cdef object k_pages_, v_pages_
     cdef readonly object dtype
 
-    def __init__(self, num_blocks, num_layers, kv_width, block_size=BLOCK_SIZE, dtype=np.float32):
+    def __init__(self, num_blocks, num_layers, kv_width, block_size=BLOCK_SIZE, dtype=np.float32,
+                 head_dim=None):
         num_blocks = _count(num_blocks, "num_blocks")
         num_layers = _count(num_layers, "num_layers")
         kv_width = _count(kv_width, "kv_width")
@@ -100,16 +114,19 @@ cdef class BlockPool:
             dtype = None
         if dtype not in (np.float32, np.float16):
             raise ValueError("BlockPool dtype must be float32 or float16 (the model's kv_precision)")
+        head_dim = kv_width if head_dim is None else _count(head_dim, "head_dim")
+        if head_dim == 0 or kv_width % head_dim:
+            raise ValueError(f"BlockPool head_dim must divide kv_width ({kv_width}), got {head_dim}")
+        self.head_dim = head_dim
         self.dtype = dtype
         self.num_layers = num_layers
         self.kv_width = kv_width
         self.block_size = block_size
         self.num_blocks = 0
         self._check_bytes(num_blocks)
-        shape = (num_blocks, num_layers, block_size, kv_width)
         try:
-            self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width, dtype)
-            self.v_pages_ = _value_pages(num_blocks, num_layers, kv_width, dtype)
+            self.k_pages_ = _key_pages(num_blocks, num_layers, kv_width, head_dim, dtype)
+            self.v_pages_ = _value_pages(num_blocks, num_layers, kv_width, head_dim, dtype)
         except MemoryError:
             raise MemoryError(f"cannot allocate a KV pool of {num_blocks} blocks") from None
         self.num_blocks = num_blocks
@@ -353,9 +370,8 @@ cdef class BlockPool:
             return
         total = self.num_blocks + extra_blocks
         self._check_bytes(total)
-        shape = (total, self.num_layers, self.block_size, self.kv_width)
-        k = _key_pages(total, self.num_layers, self.kv_width, self.dtype)
-        v = _value_pages(total, self.num_layers, self.kv_width, self.dtype)
+        k = _key_pages(total, self.num_layers, self.kv_width, self.head_dim, self.dtype)
+        v = _value_pages(total, self.num_layers, self.kv_width, self.head_dim, self.dtype)
         k[: self.num_blocks] = self.k_pages_
         v[: self.num_blocks] = self.v_pages_
         self.k_pages_, self.v_pages_ = k, v

@@ -295,6 +295,33 @@ def test_pool_pages_are_views_of_key_tiles_in_either_dtype():
             BlockPool(1, 1, 8, dtype=bad)
 
 
+def test_pools_with_heads_keep_each_head_a_stream_of_blocks():
+    """With head_dim, each (layer, KV head) is one stream of blocks: keys
+    (layers, heads, blocks, head_dim, 16) and values (layers, heads, blocks,
+    16, head_dim) in memory, seen as (blocks, layers, 16, heads, head_dim);
+    forks, copy-on-write and grow copy through those views."""
+    pool = BlockPool(4, 2, 12, head_dim=4)
+    k, v = pool.k_pages, pool.v_pages
+    item = k.itemsize
+    assert k.shape == v.shape == (4, 2, 16, 3, 4) and pool.head_dim == 4
+    assert k.strides == (4 * 16 * item, 3 * 4 * 4 * 16 * item, item, 4 * 4 * 16 * item, 16 * item)
+    assert v.strides == (16 * 4 * item, 3 * 4 * 16 * 4 * item, 4 * item, 4 * 16 * 4 * item, item)
+    assert k.ctypes.data % 64 == 0
+    pool.allocate(1, 20)
+    b0, b1 = pool.get_blocks(1)
+    k[b1, :, :4] = np.arange(2 * 4 * 12).reshape(2, 4, 3, 4)
+    v[b1, :, :4] = -k[b1, :, :4]
+    pool.fork(2, 1, 20)                        # block 0 shared, the 4-position tail copied
+    d = pool.get_blocks(2)[1]
+    assert d != b1 and np.array_equal(k[d, :, :4], k[b1, :, :4]) and np.array_equal(v[d, :, :4], v[b1, :, :4])
+    pool.grow(3)
+    assert pool.k_pages.shape == (7, 2, 16, 3, 4)
+    assert np.array_equal(pool.k_pages[d, :, :4], k[b1, :, :4])
+    for bad in (0, 5, 24):
+        with pytest.raises(ValueError, match="head_dim must divide kv_width"):
+            BlockPool(2, 1, 12, head_dim=bad)
+
+
 # --------------------------------------------------------- paged sessions ---
 
 @pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("fp32", "fp16"), ("hybrid-fp4", "fp16")])
