@@ -8,6 +8,7 @@ cdef enum:
     CANCELLED = 1
     NOMEM = -1
     NONFINITE = -2
+    ERROR = -3         # an exception was stored on the session (pending_error)
 
 # Finish reasons (FINISH_NAMES in _common.pyx names them).
 cdef enum:

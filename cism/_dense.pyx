@@ -29,7 +29,7 @@ from cism._nn cimport (KV, add_into, all_finite_f, grow_f, k_tile, kv_scores, kv
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
                            logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
                            cism_flag_check, arm_cancel)
@@ -988,11 +988,13 @@ def paged_env_blocks():
     return value if value > 0 else PAGED_DEFAULT_BLOCKS
 
 
-cdef class PagedSession(SessionState):
+cdef class PagedSession(DecodeSession):
     """A generation whose keys and values live in the model's shared block
     pool. Logits are bit-identical to a dense Session on the same tokens;
     under pool pressure other sessions may evict this one, and it then
-    recomputes its cache from its tokens on the next call."""
+    recomputes its cache from its tokens on the next call. Its decoding
+    loop (sampling, speculation, cancellation) is DecodeSession's; only
+    its forward differs: blocks first, under the pool's lock."""
     cdef DenseModel model
     cdef const ModelC *m
     cdef Work w
@@ -1081,13 +1083,24 @@ cdef class PagedSession(SessionState):
         if self.s.finish == RUNNING:
             self.s.finish = CANCEL
 
-    cdef int forward_tokens(self, const int64_t *tokens, size_t T, bint prefill) except? -3:
-        """Ensure blocks (evicting others if needed), then forward T tokens
-        through the pool pages, holding the pool lock for the whole call. An
-        evicted session first recomputes its history."""
-        cdef size_t i, base, covered, run_n
+    # ---- the DecodeSession hook: a forward through the pool ----
+
+    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
         cdef int rc
-        cdef cnp.ndarray run
+        with gil:
+            try:
+                rc = self.paged_run(tokens, T, rows)
+            except BaseException as e:   # OutOfBlocks, MemoryError: raised by the caller
+                self.pending_error = e
+                rc = ERROR
+        return rc
+
+    cdef int paged_run(self, const int64_t *tokens, size_t T, float *rows) except? -9:
+        """Blocks for T more tokens (evicting others if needed; an evicted
+        session first recomputes its history), then the forward, with the
+        pool lock held, so page arrays never move under it."""
+        cdef size_t i, base, covered, redo = 0
+        cdef int rc = OK
         cdef cnp.ndarray kp, vp
         state = self.state
         with state:
@@ -1095,33 +1108,26 @@ cdef class PagedSession(SessionState):
                 return CANCELLED
             pool = state.pool
             fresh = not pool.contains(self.req_id)
-            recompute = fresh and self.s.hist_len > 0 and self.s.position > 0
-            toks = np.asarray(<int64_t[:T]>tokens) if T else np.zeros(0, np.int64)
-            if recompute:
-                run = np.concatenate([np.asarray(<int64_t[:self.s.hist_len]>self.s.history), toks])
-            else:
-                run = np.ascontiguousarray(toks, dtype=np.int64).copy()
-            run_n = len(run)
-            need = run_n if recompute else self.s.position + T
+            if fresh:
+                redo = self.s.position   # evicted (or the pool was reset): recompute
             while True:
                 try:
-                    if not fresh:
+                    if fresh:
+                        pool.allocate(self.req_id, redo + T)
+                    else:
                         # privatize shared blocks this call writes into
                         base = self.s.position
                         covered = len(pool.get_blocks(self.req_id)) * 16
                         for i in range(T):
                             if base + i < covered:
                                 pool.copy_on_write(self.req_id, base + i)
-                    if not pool.contains(self.req_id):
-                        pool.allocate(self.req_id, need)
-                    else:
-                        pool.ensure(self.req_id, need)
+                        pool.ensure(self.req_id, self.s.position + T)
                     break
                 except OutOfBlocks:
                     if pool.evict_one(self.req_id) == -1:
                         raise
             pool.set_priority(self.req_id, self.priority_)
-            if recompute:
+            if redo:
                 self.s.position = 0
                 self.recomputes_ += 1
             blocks = pool.get_blocks(self.req_id)
@@ -1135,77 +1141,21 @@ cdef class PagedSession(SessionState):
             self.kv.nblocks = pool.num_blocks
             kv_shape(&self.kv, self.m, self.s.capacity)
             with nogil:
-                rc = seq_run(self.m, &self.w, &self.s, &self.kv, <const int64_t*>cnp.PyArray_DATA(run),
-                             run_n, NULL, &self.cancelled)
+                if redo:
+                    # (the last logits it leaves are the live ones again, bit for bit)
+                    rc = seq_run(self.m, &self.w, &self.s, &self.kv, self.s.history, redo, NULL,
+                                 &self.cancelled)
+                if rc == OK:
+                    rc = seq_run(self.m, &self.w, &self.s, &self.kv, tokens, T, rows, &self.cancelled)
         return rc
-
-    cdef int paged_prompt(self) except? -3:
-        cdef int rc
-        if self.s.prompt_len == 0:
-            return OK
-        if cism_flag_check(&self.cancelled):
-            return CANCELLED
-        rc = self.forward_tokens(self.s.prompt, self.s.prompt_len, True)
-        if rc != OK:
-            return rc
-        memcpy(self.s.history + self.s.hist_len, self.s.prompt, self.s.prompt_len * sizeof(int64_t))
-        self.s.hist_len += self.s.prompt_len
-        self.s.prompt_len = 0
-        return OK
-
-    def next_tokens(self, count):
-        count = check_count(count, "count")
-        cdef int rc = OK
-        cdef int64_t tok
-        cdef cism_knobs k
-        out = []
-        with self.lock:
-            if self.s.finish != RUNNING:
-                return out
-            wanted = min(count, self.s.max_new - self.s.generated)
-            try:
-                if wanted and cism_flag_check(&self.cancelled):
-                    rc = CANCELLED
-                if wanted and rc == OK:
-                    rc = self.paged_prompt()
-                while rc == OK and len(out) < wanted:
-                    if cism_flag_check(&self.cancelled):
-                        rc = CANCELLED
-                        break
-                    k = knobs_of(&self.p)
-                    with nogil:
-                        tok = choose_token(self.s.logits, self.m.vocab, &k, self.s.history,
-                                           self.s.hist_len, &self.s.rng, &self.s.sampler)
-                    if tok < 0:
-                        rc = NOMEM
-                        break
-                    out.append(tok)
-                    core_account(&self.s, &self.p, tok)
-                    if self.s.finish != RUNNING:
-                        break
-                    if cism_flag_check(&self.cancelled):
-                        rc = CANCELLED
-                        break
-                    rc = self.forward_tokens(&tok, 1, False)
-                    if rc == OK:
-                        self.s.history[self.s.hist_len] = tok
-                        self.s.hist_len += 1
-            except BaseException:
-                self.finish_call(CANCELLED)
-                raise
-            self.finish_call(rc)
-        return out
 
     def prefill_fork_source(self):
         """Run the prompt without generating, so an empty-suffix fork can seed
         its first token from this session's logits. A second call does nothing."""
         cdef int rc
         with self.lock:
-            try:
-                rc = self.paged_prompt()
-            except BaseException:
-                self.finish_call(CANCELLED)
-                raise
+            with nogil:
+                rc = self.run_prompt()
             self.finish_call(rc)
             return rc == OK
 

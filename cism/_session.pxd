@@ -43,6 +43,7 @@ cdef class SessionState:
     cdef size_t vocab
     cdef int cancelled
     cdef object lock
+    cdef object pending_error     # raised by finish_call(ERROR): a hook's exception
 
     cdef object setup(self, prompt_tokens, size_t prefix_len, size_t vocab, size_t context,
                       max_new_tokens, temperature, top_p, top_k, seed, eos, min_p,

@@ -13,7 +13,7 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
                            logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
                            cism_flag_check, arm_cancel)
@@ -101,6 +101,9 @@ cdef class SessionState:
         if self.s.finish == RUNNING:
             self.s.finish = CANCEL
         cism_flag_set(&self.cancelled, 1)
+        if rc == ERROR and self.pending_error is not None:
+            err, self.pending_error = self.pending_error, None
+            raise err
         raise_for(rc)
 
     def cancel(self):

@@ -354,6 +354,28 @@ def test_paged_equals_dense_through_forks_evictions_and_resets(precision, kv):
     assert np.array_equal(model.paged_logits(prompt), model.logits(prompt))
 
 
+def test_paged_sessions_speculate_through_evictions():
+    """A paged session runs DecodeSession's loop: prompt-lookup speculation
+    gives plain greedy's tokens, also when another session evicts it between
+    calls (it recomputes, then verifies blocks again)."""
+    model = small_model("llama", seed=30)
+    model.paged_pool_reset(6)
+    pattern = [5, 9, 14, 3, 22, 7]
+    prompt = (pattern * 7)[:40]
+    want = model.create_session(prompt, 40).next_tokens(40)
+    s = model.create_paged_session(prompt, 40)
+    other = model.create_paged_session(list(range(1, 60)), 20)
+    got = []
+    while not s.finish_reason:
+        got += s.next_tokens(7, spec_k=6)
+        other.next_tokens(2)      # it needs blocks: at times it evicts s
+    assert got == want
+    proposed, accepted = s.spec_stats()
+    assert proposed > 0 and accepted > 0 and s.recomputes > 0
+    with pytest.raises(ValueError, match="spec_k"):
+        model.create_paged_session(prompt, 4, temperature=0.5).next_tokens(4, spec_k=4)
+
+
 def test_sampled_paged_streams_match_and_forks_of_forks():
     model = small_model("llama", seed=23)
     prompt = list(range(1, 40))
