@@ -14,6 +14,7 @@ solo session with the same prompt and settings gives, whatever else runs
 beside it (docs/EXACTNESS.md).
 """
 import asyncio
+import bisect
 import collections
 import itertools
 import math
@@ -212,28 +213,30 @@ def _resolve(fut):
 
 
 class _Histogram:
-    """Cumulative counts by upper bound (Prometheus style)."""
+    """Cumulative counts by upper bound (Prometheus style); thread-safe."""
 
     def __init__(self, bounds):
         self.bounds = list(bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.total = 0.0
         self.n = 0
+        self.lock = threading.Lock()
 
     def observe(self, value):
-        i = 0
-        while i < len(self.bounds) and value > self.bounds[i]:
-            i += 1
-        self.counts[i] += 1
-        self.total += value
-        self.n += 1
+        i = bisect.bisect_left(self.bounds, value)
+        with self.lock:
+            self.counts[i] += 1
+            self.total += value
+            self.n += 1
 
     def snapshot(self):
+        with self.lock:
+            counts, total, n = list(self.counts), self.total, self.n
         cum, acc = [], 0
-        for b, c in zip(self.bounds + [math.inf], self.counts):
+        for b, c in zip(self.bounds + [math.inf], counts):
             acc += c
             cum.append((b, acc))
-        return {"buckets": cum, "sum": self.total, "count": self.n}
+        return {"buckets": cum, "sum": total, "count": n}
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -365,6 +368,7 @@ class Engine:
         self._stop = False
         self._error = None
         self._stats = self._core.stats()
+        self._stats_at = 0.0
         self._submitted = 0
         self._prompt_tokens = 0
         self._outcomes = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
@@ -527,9 +531,13 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         ran = self._core.step()
+        t1 = time.perf_counter()
         if ran:
-            self.histograms["step_seconds"].observe(time.perf_counter() - t0)
-        self._stats = self._core.stats()
+            self.histograms["step_seconds"].observe(t1 - t0)
+        # the snapshot other threads read: every 50 ms while busy, and when idle
+        if t1 - self._stats_at > 0.05 or not self._core.busy or self._thread is None:
+            self._stats = self._core.stats()
+            self._stats_at = t1
         return ran
 
     def run_until_idle(self, max_steps=None):

@@ -147,24 +147,57 @@ async def wait_disconnect(request):
             return
 
 
-async def run_choices(reqs, texts, on_update):
-    """Feed every choice's tokens through its ChoiceText as they come;
-    on_update(i, text, tokens, lps, tops) for each batch. A stop string
-    cancels its request. Returns when all are done."""
+async def choice_updates(reqs, texts):
+    """(choice, text, tokens, logprobs, top logprobs) as the choices' tokens
+    arrive, through each one's ChoiceText; a stop string cancels its
+    request. One choice is read directly, several are merged as they come."""
     async def one(i):
         req, ct = reqs[i], texts[i]
-        async for tokens, lps, tops in req.updates():
-            text, used = ct.feed(tokens)
-            await on_update(i, text, tokens[:used], lps[:used] if lps else None, tops[:used] if tops else None)
-            if ct.stop_hit is not None:
+        try:
+            async for tokens, lps, tops in req.updates():
+                text, used = ct.feed(tokens)
+                yield i, text, tokens[:used], lps[:used] if lps else None, tops[:used] if tops else None
+                if ct.stop_hit is not None:
+                    break
+        except Exception:
+            return    # the request's error: engine_failure() reports it
+        finally:
+            if ct.stop_hit is not None and not req.done:
                 req.cancel()
-                break
         tail = ct.close()
-        if ct.stop_hit is not None and not req.done:
-            req.cancel()
         if tail:
-            await on_update(i, tail, [], None, None)
-    await asyncio.gather(*(one(i) for i in range(len(reqs))))
+            yield i, tail, [], None, None
+
+    if len(reqs) == 1:
+        async for update in one(0):
+            yield update
+        return
+    queue = asyncio.Queue()
+
+    async def pump(i):
+        try:
+            async for update in one(i):
+                await queue.put(update)
+        finally:
+            queue.put_nowait(None)
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(reqs))]
+    try:
+        left = len(reqs)
+        while left:
+            update = await queue.get()
+            if update is None:
+                left -= 1
+            else:
+                yield update
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def run_choices(reqs, texts, on_update):
+    """Every update of choice_updates, given to on_update, until all are done."""
+    async for update in choice_updates(reqs, texts):
+        await on_update(*update)
 
 
 def engine_failure(reqs):
@@ -228,41 +261,39 @@ async def chat_completions(request):
                              usage=P.usage(len(ids), out_tokens, reqs[0].cached_tokens)))
 
 
+def sse_chunk(prefix, choice):
+    """An event's JSON: the response's fixed fields (prefix) and one choice."""
+    return prefix + json.dumps(choice, ensure_ascii=False, separators=(",", ":")) + "]}"
+
+
+def chunk_prefix(base, obj):
+    return json.dumps(dict(base, object=obj), ensure_ascii=False, separators=(",", ":"))[:-1] + ',"choices":['
+
+
 async def chat_events(srv, reqs, texts, base, include_usage, want_lp, prompt_len):
-    """The SSE events of a streamed chat completion (as JSON objects)."""
-    queue = asyncio.Queue()
-
-    def chunk(i, delta, lp=None, finish=None):
-        return dict(base, object="chat.completion.chunk",
-                    choices=[{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
-
-    async def push(i, text, tokens, lp, tp):
+    """The SSE events of a streamed chat completion (JSON text)."""
+    prefix = chunk_prefix(base, "chat.completion.chunk")
+    for i in range(len(reqs)):
+        yield sse_chunk(prefix, {"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})
+    async for i, text, tokens, lp, tp in choice_updates(reqs, texts):
         entry = {"content": texts[i].chat_logprobs(tokens, lp, tp)} if want_lp and lp else None
         if text or entry:
-            await queue.put(chunk(i, {"content": text}, entry))
-
-    for i in range(len(reqs)):
-        yield chunk(i, {"role": "assistant", "content": ""})
-    task = asyncio.ensure_future(run_choices(reqs, texts, push))
-    task.add_done_callback(lambda _: queue.put_nowait(None))
-    while True:
-        item = await queue.get()
-        if item is None:
-            break
-        yield item
-    await task
+            yield sse_chunk(prefix, {"index": i, "delta": {"content": text}, "logprobs": entry,
+                                     "finish_reason": None})
     failure = engine_failure(reqs)
     if failure:
         srv.metrics.finished("error", 0)
-        yield failure.body()
+        yield json.dumps(failure.body())
         return
     for i, (r, ct) in enumerate(zip(reqs, texts)):
-        yield chunk(i, {}, None, P.finish_reason(r.finish_reason, ct.stop_hit))
+        yield sse_chunk(prefix, {"index": i, "delta": {}, "logprobs": None,
+                                 "finish_reason": P.finish_reason(r.finish_reason, ct.stop_hit)})
     out_tokens = sum(ct.tokens for ct in texts)
     srv.metrics.finished("ok", out_tokens)
     if include_usage:
-        yield dict(base, object="chat.completion.chunk", choices=[],
-                   usage=P.usage(prompt_len, out_tokens, reqs[0].cached_tokens))
+        yield json.dumps(dict(base, object="chat.completion.chunk", choices=[],
+                              usage=P.usage(prompt_len, out_tokens, reqs[0].cached_tokens)))
 
 
 async def completions(request):
@@ -336,43 +367,30 @@ async def completions(request):
 
 
 async def completion_events(srv, reqs, texts, base, include_usage, want_lp, prompt_tokens, echoes):
-    queue = asyncio.Queue()
+    prefix = chunk_prefix(base, "text_completion")
     offsets = [len(e) for e in echoes]
-
-    def chunk(i, text, lp=None, finish=None):
-        return dict(base, object="text_completion",
-                    choices=[{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
-
-    async def push(i, text, tokens, lp, tp):
+    for i, e in enumerate(echoes):
+        if e:
+            yield sse_chunk(prefix, {"index": i, "text": e, "logprobs": None, "finish_reason": None})
+    async for i, text, tokens, lp, tp in choice_updates(reqs, texts):
         entry = None
         if want_lp and lp:
             entry, offsets[i] = texts[i].completion_logprobs(tokens, lp, tp, offsets[i])
         if text or entry:
-            await queue.put(chunk(i, text, entry))
-
-    for i, e in enumerate(echoes):
-        if e:
-            yield chunk(i, e)
-    task = asyncio.ensure_future(run_choices(reqs, texts, push))
-    task.add_done_callback(lambda _: queue.put_nowait(None))
-    while True:
-        item = await queue.get()
-        if item is None:
-            break
-        yield item
-    await task
+            yield sse_chunk(prefix, {"index": i, "text": text, "logprobs": entry, "finish_reason": None})
     failure = engine_failure(reqs)
     if failure:
         srv.metrics.finished("error", 0)
-        yield failure.body()
+        yield json.dumps(failure.body())
         return
     for i, (r, ct) in enumerate(zip(reqs, texts)):
-        yield chunk(i, "", None, P.finish_reason(r.finish_reason, ct.stop_hit))
+        yield sse_chunk(prefix, {"index": i, "text": "", "logprobs": None,
+                                 "finish_reason": P.finish_reason(r.finish_reason, ct.stop_hit)})
     out_tokens = sum(ct.tokens for ct in texts)
     srv.metrics.finished("ok", out_tokens)
     if include_usage:
-        yield dict(base, object="text_completion", choices=[],
-                   usage=P.usage(prompt_tokens, out_tokens, reqs[0].cached_tokens))
+        yield json.dumps(dict(base, object="text_completion", choices=[],
+                              usage=P.usage(prompt_tokens, out_tokens, reqs[0].cached_tokens)))
 
 
 async def until_done(request, reqs, work):
@@ -400,7 +418,7 @@ def sse(request, srv, reqs, events):
         finished = False
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield f"data: {event}\n\n"
             yield "data: [DONE]\n\n"
             finished = True
         finally:
