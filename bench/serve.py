@@ -374,40 +374,47 @@ def main(argv=None):
 
 
 def ratios(results):
-    """Median over rounds of each target, then the ratios that answer the issues' goals."""
-    med = {}
+    """The ratios that answer the issues' goals, each the median over rounds
+    of the ratio within a round (this host's speed drifts by tens of
+    percent within minutes: a ratio of two medians taken apart would follow
+    the drift), and the medians of the targets behind them."""
+    by = {}
     for r in results:
-        med.setdefault((r["workload"], r["clients"], r["target"]), []).append(r)
-    agg = {k: {f: statistics.median(x[f] for x in v) for f in ("tok_s", "ttft_p50", "ttft_p99", "itl_p99")}
-           for k, v in med.items()}
+        by[(r["workload"], r["clients"], r["target"], r["round"])] = r
+    keys = sorted({(w, c) for w, c, _, _ in by})
+    rounds = sorted({k[3] for k in by})
+
+    def ratio(w, c, a, b, field="tok_s"):
+        vals = [by[(w, c, a, r)][field] / by[(w, c, b, r)][field] for r in rounds
+                if (w, c, a, r) in by and (w, c, b, r) in by]
+        return statistics.median(vals) if vals else None
+
+    def med(w, c, t, field):
+        vals = [by[(w, c, t, r)][field] for r in rounds if (w, c, t, r) in by]
+        return statistics.median(vals) if vals else None
     lines = []
-    for (kind, clients, target), m in sorted(agg.items()):
-        if not target.startswith("cism-http"):
-            continue
-        suffix = target[len("cism-http"):]
-        ls = agg.get((kind, clients, "llama-server")) or agg.get((kind, clients, "llama-server (cache)"))
-        if suffix == " (no cache)":
-            ls = None
-        en = agg.get((kind, clients, "engine" + suffix))
-        parts = [f"{kind} c={clients}{suffix}:"]
-        if ls:
-            parts.append(f"cism-http / llama-server {m['tok_s'] / ls['tok_s']:.2f}x tok/s, "
-                         f"TTFT p99 {m['ttft_p99']:.3f} vs {ls['ttft_p99']:.3f} s, "
-                         f"ITL p99 {1000 * m['itl_p99']:.1f} vs {1000 * ls['itl_p99']:.1f} ms;")
-        if en:
-            parts.append(f"HTTP overhead {100 * (1 - m['tok_s'] / en['tok_s']):+.1f}% tok/s")
-        lines.append(" ".join(parts))
-    for (kind, clients, target), m in sorted(agg.items()):
-        solo = agg.get((kind, 1, "solo"))
-        if target == "engine" and solo:
-            lines.append(f"{kind} c={clients}: engine / solo {m['tok_s'] / solo['tok_s']:.2f}x tok/s")
-    for kind in {k[0] for k in agg}:
-        for clients in sorted({k[1] for k in agg if k[0] == kind}):
-            on = agg.get((kind, clients, "engine (cache)"))
-            off = agg.get((kind, clients, "engine (no cache)"))
-            if on and off:
-                lines.append(f"{kind} c={clients}: prefix cache cuts TTFT p50 {off['ttft_p50'] / on['ttft_p50']:.1f}x "
-                             f"({off['ttft_p50']:.3f} -> {on['ttft_p50']:.3f} s)")
+    for w, c in keys:
+        for suffix in ("", " (cache)", " (no cache)"):
+            http, eng = "cism-http" + suffix, "engine" + suffix
+            ls = "llama-server" + (" (cache)" if suffix == " (cache)" else "")
+            parts = []
+            x = ratio(w, c, http, ls) if suffix != " (no cache)" else None
+            if x is not None:
+                parts.append(f"cism-http / llama-server {x:.2f}x tok/s, TTFT p99 {med(w, c, http, 'ttft_p99'):.3f} "
+                             f"vs {med(w, c, ls, 'ttft_p99'):.3f} s, ITL p99 {1000 * med(w, c, http, 'itl_p99'):.1f} "
+                             f"vs {1000 * med(w, c, ls, 'itl_p99'):.1f} ms;")
+            x = ratio(w, c, http, eng)
+            if x is not None:
+                parts.append(f"HTTP overhead {100 * (1 - x):+.1f}% tok/s")
+            if parts:
+                lines.append(f"{w} c={c}{suffix}: " + " ".join(parts))
+        solo = med(w, 1, "solo", "tok_s")
+        e = med(w, c, "engine", "tok_s")
+        if solo and e:
+            lines.append(f"{w} c={c}: engine / solo {e / solo:.2f}x tok/s ({e:.1f} / {solo:.1f})")
+        on, off = med(w, c, "engine (cache)", "ttft_p50"), med(w, c, "engine (no cache)", "ttft_p50")
+        if on and off:
+            lines.append(f"{w} c={c}: prefix cache cuts TTFT p50 {off / on:.1f}x ({off:.3f} -> {on:.3f} s)")
     return lines
 
 

@@ -64,3 +64,33 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_cism_serve_ray_cli(smollm2_gguf):
+    """`cism serve --ray --replicas 2`: prints its URL, answers, stops on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    port = _free_port()
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_TMPDIR=temp)
+    p = subprocess.Popen([sys.executable, "-m", "cism.cli", "serve", "--ray", "--replicas", "2", "--port", str(port),
+                          "--model", str(smollm2_gguf), "--precision", "int8", "--model-name", "smol",
+                          "--kv-blocks", "64", "--threads", "1"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "serving smol" not in line:
+            line = p.stderr.readline()
+            assert line or p.poll() is None, "cism serve --ray exited"
+        assert f"at http://127.0.0.1:{port}/" in line and "2 replicas" in line
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        shutil.rmtree(temp, ignore_errors=True)

@@ -69,7 +69,12 @@ def deployment(model_path, *, model_name=None, api_key=None, engine_kwargs=None,
 def serve_ray(model_path, *, model_name, host, port, replicas, api_key, model_options, engine_kwargs,
               out=sys.stderr):
     """`cism serve --ray`: run the replicas behind Serve's proxy until interrupted."""
+    import signal
+
     import ray
+    if port == 0:
+        raise ValueError("--ray needs a fixed --port (Serve's proxy listens on it)")
+
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  log_to_driver=False)
@@ -77,6 +82,12 @@ def serve_ray(model_path, *, model_name, host, port, replicas, api_key, model_op
     app = deployment(model_path, model_name=model_name, api_key=api_key, engine_kwargs=engine_kwargs,
                      num_replicas=replicas, **model_options)
     serve.run(app, name="cism", route_prefix="/")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    # SIGTERM too shuts Serve and Ray down cleanly (set after ray.init, which installs its own)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     print(f"cism: serving {model_name} on Ray Serve ({replicas} replicas) at http://{host}:{port}/  "
           "(Ctrl-C stops)", file=out, flush=True)
     try:
