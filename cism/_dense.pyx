@@ -24,8 +24,8 @@ from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport (SeqCore, SessionState, DecodeSession, core_alloc, core_free,
                             core_account, MAX_K, PREFILL_CHUNK)
-from cism._nn cimport (KV, add_into, all_finite_f, grow_f, k_tile, kv_scores, kv_store, kv_weighted, rmsnorm, rotate,
-                      tile_softmax, v_row, v_stride)
+from cism._nn cimport (KV, add_into, all_finite_f, grow_f, k_tile, kv_array, kv_paged, kv_scores, kv_store,
+                      kv_weighted, rmsnorm, rotate, tile_softmax, v_row, v_stride)
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -1135,11 +1135,8 @@ cdef class PagedSession(DecodeSession):
                 self.blocks[i] = blocks[i]
             kp = pool.k_pages
             vp = pool.v_pages
-            self.kv.keys = <char*>cnp.PyArray_DATA(kp)
-            self.kv.values = <char*>cnp.PyArray_DATA(vp)
-            self.kv.blocks = self.blocks
-            self.kv.nblocks = pool.num_blocks
-            kv_shape(&self.kv, self.m, self.s.capacity)
+            kv_paged(&self.kv, <char*>cnp.PyArray_DATA(kp), <char*>cnp.PyArray_DATA(vp), self.blocks,
+                     pool.num_blocks, self.m.layers, self.m.kv_heads, self.m.head_dim, kv_elem_bytes(self.m))
             with nogil:
                 if redo:
                     # (the last logits it leaves are the live ones again, bit for bit)
@@ -1336,13 +1333,9 @@ cdef class DenseStepper(Stepper):
     keys and values in the engine's pool pages, through its block table."""
     cdef const ModelC *m
     cdef Work w
-    cdef KV *kvs
-    cdef size_t kvs_cap
 
     def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
-        self.kvs = NULL
-        self.kvs_cap = 0
 
     def __init__(self, DenseModel model):
         Stepper.__init__(self, model)
@@ -1356,30 +1349,21 @@ cdef class DenseStepper(Stepper):
         self.bf16_prompts = model.c.prefill_bf16
 
     def __dealloc__(self):
-        free(self.kvs)
         work_free(&self.w)
 
     cdef int forward(self, StepBatch *b) noexcept nogil:
         cdef size_t r, i, n_out = 0
         cdef const StepRun *run
-        if b.n_runs > self.kvs_cap:
-            free(self.kvs)
-            self.kvs_cap = 0
-            self.kvs = <KV*>calloc(b.n_runs, sizeof(KV))
-            if self.kvs == NULL:
-                return NOMEM
-            self.kvs_cap = b.n_runs
+        if kv_array(&self.kvs, &self.kvs_cap, b.n_runs) != 0:
+            return NOMEM
         for r in range(b.n_runs):
             n_out += b.runs[r].n_out
         if work_reserve(&self.w, self.m, b.T, 0, n_out) != 0:
             return NOMEM
         for r in range(b.n_runs):
             run = &b.runs[r]
-            kv_shape(&self.kvs[r], self.m, run.pos + run.n)
-            self.kvs[r].keys = self.k_pages
-            self.kvs[r].values = self.v_pages
-            self.kvs[r].blocks = run.blocks
-            self.kvs[r].nblocks = self.n_pages
+            kv_paged(&self.kvs[r], self.k_pages, self.v_pages, run.blocks, self.n_pages, self.m.layers,
+                     self.m.kv_heads, self.m.head_dim, kv_elem_bytes(self.m))
             for i in range(run.n):
                 self.w.seq_of[run.first + i] = <int>r
                 self.w.pos_of[run.first + i] = run.pos + i

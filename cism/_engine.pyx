@@ -51,7 +51,7 @@ cdef class Seq:
     cdef readonly long long req_id
     cdef readonly int priority
     cdef readonly long long arrival
-    cdef readonly size_t waited       # steps spent waiting, admitted or not (aging)
+    cdef readonly long long since     # the engine's step count when it arrived (aging)
     cdef readonly int phase
     cdef SeqCore s                    # history = prompt + generated; position = tokens run
     cdef Params p
@@ -122,9 +122,12 @@ cdef class Seq:
         return bool(cism_flag_get(&self.cancel_flag))
 
     cpdef tuple rank(self, size_t aging):
-        """Scheduling order (higher first): priority plus one for every
-        `aging` steps waited, then the older arrival."""
-        return (self.priority + <long long>(self.waited // aging), -self.arrival)
+        """Scheduling order (higher first): priority minus one for every
+        `aging` steps of the engine before it arrived, then the older
+        arrival. A request's order against another never changes (both age
+        alike), so preemptions cannot cycle, and a request that has been
+        there a·(P - p) steps outranks every later one of priority up to P."""
+        return (<long long>self.priority * <long long>aging - self.since, -self.arrival)
 
 
 class Collector:
@@ -280,6 +283,7 @@ cdef class EngineCore:
         if q.blocks == NULL:
             raise MemoryError("cannot allocate the request's state")
         q.arrival = self.next_arrival
+        q.since = self.steps
         self.next_arrival += 1
         q.phase = WAITING
         self.by_id[req_id] = q
@@ -613,8 +617,6 @@ cdef class EngineCore:
         self.reap()
         self.choose_held()
         plan = self.schedule()
-        for q in self.waiting:
-            q.waited += 1
         if not plan:
             return 0
         # lay out the step: the tokens of each run, its logits rows, its snapshots

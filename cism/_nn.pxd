@@ -2,7 +2,7 @@
 # (cimport cism._nn). Plain C arithmetic, compiled without FMA contraction, so
 # every module computes them identically.
 from libc.math cimport sqrt
-from libc.stdlib cimport free
+from libc.stdlib cimport calloc, free
 from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels
@@ -104,6 +104,34 @@ cdef struct KV:
     const size_t *blocks
     size_t nblocks
     size_t layers, kv_width, kv_heads, head_dim, esize
+
+
+cdef inline int kv_array(KV **kvs, size_t *cap, size_t n) noexcept nogil:
+    """Room for n KV structs in kvs (contents not kept): 0, or -1 without memory."""
+    if n > cap[0]:
+        free(kvs[0])
+        cap[0] = 0
+        kvs[0] = <KV*>calloc(n, sizeof(KV))
+        if kvs[0] == NULL:
+            return -1
+        cap[0] = n
+    return 0
+
+
+cdef inline void kv_paged(KV *kv, char *keys, char *values, const size_t *blocks, size_t nblocks,
+                          size_t layers, size_t kv_heads, size_t head_dim, size_t esize) noexcept nogil:
+    """kv as one sequence's view of a BlockPool's pages through its block table."""
+    kv.keys = keys
+    kv.values = values
+    kv.keys_mem = NULL
+    kv.blocks = blocks
+    kv.nblocks = nblocks
+    kv.capacity = 0
+    kv.layers = layers
+    kv.kv_heads = kv_heads
+    kv.head_dim = head_dim
+    kv.kv_width = kv_heads * head_dim
+    kv.esize = esize
 
 
 cdef inline char *k_tile(const KV *kv, size_t l, size_t kvh, size_t pos) noexcept nogil:

@@ -5,6 +5,7 @@
 # attention and recurrences run per run over that sequence's own KV blocks
 # and state. A token's bits never depend on what else is in the step.
 from libc.stdint cimport int64_t
+from cism._nn cimport KV
 
 
 cdef struct StepRun:
@@ -45,5 +46,7 @@ cdef class Stepper:
     cdef char *v_pages
     cdef size_t n_pages      # blocks in the pool
     cdef object pages_keep
+    cdef KV *kvs             # per run: its view of the pages (attention families)
+    cdef size_t kvs_cap
 
     cdef int forward(self, StepBatch *b) noexcept nogil

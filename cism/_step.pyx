@@ -2,6 +2,7 @@
 import numpy as np
 
 cimport numpy as cnp
+from libc.stdlib cimport free
 
 from cism._common cimport NOMEM
 
@@ -11,6 +12,13 @@ cnp.import_array()
 cdef class Stepper:
     """A model family's forward over a ragged batch of sequences. Families
     subclass it (cism._dense.DenseStepper, ...); the engine owns one."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.kvs = NULL
+        self.kvs_cap = 0
+
+    def __dealloc__(self):
+        free(self.kvs)
 
     def __init__(self, model):
         self.model = model

@@ -30,7 +30,8 @@ from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
 from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
 from cism._step cimport Stepper, StepBatch, StepRun
-from cism._nn cimport KV, add_into, all_finite_f, grow_f, kv_scores, kv_store, kv_weighted, rmsnorm, rotate, tile_softmax
+from cism._nn cimport (KV, add_into, all_finite_f, grow_f, kv_array, kv_paged, kv_scores, kv_store, kv_weighted,
+                      rmsnorm, rotate, tile_softmax)
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
@@ -1158,13 +1159,9 @@ cdef class SurjoStepper(Stepper):
     its GDN states and conv FIFOs in its own recurrent state."""
     cdef const ModelC *m
     cdef Work w
-    cdef KV *kvs
-    cdef size_t kvs_cap
 
     def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
-        self.kvs = NULL
-        self.kvs_cap = 0
 
     def __init__(self, SurjoModel model):
         Stepper.__init__(self, model)
@@ -1178,27 +1175,13 @@ cdef class SurjoStepper(Stepper):
         self.bf16_prompts = False
 
     def __dealloc__(self):
-        free(self.kvs)
         work_free(&self.w)
 
     cdef int forward(self, StepBatch *b) noexcept nogil:
         cdef size_t r
-        if b.n_runs > self.kvs_cap:
-            free(self.kvs)
-            self.kvs_cap = 0
-            self.kvs = <KV*>calloc(b.n_runs, sizeof(KV))
-            if self.kvs == NULL:
-                return NOMEM
-            self.kvs_cap = b.n_runs
+        if kv_array(&self.kvs, &self.kvs_cap, b.n_runs) != 0:
+            return NOMEM
         for r in range(b.n_runs):
-            self.kvs[r].capacity = b.runs[r].pos + b.runs[r].n
-            self.kvs[r].layers = self.m.n_slots
-            self.kvs[r].kv_width = self.m.kv_width
-            self.kvs[r].kv_heads = self.m.kv_heads
-            self.kvs[r].head_dim = self.m.head_dim
-            self.kvs[r].esize = slot_elem_bytes(self.m)
-            self.kvs[r].keys = self.k_pages
-            self.kvs[r].values = self.v_pages
-            self.kvs[r].blocks = b.runs[r].blocks
-            self.kvs[r].nblocks = self.n_pages
+            kv_paged(&self.kvs[r], self.k_pages, self.v_pages, b.runs[r].blocks, self.n_pages, self.m.n_slots,
+                     self.m.kv_heads, self.m.head_dim, slot_elem_bytes(self.m))
         return forward(self.m, &self.w, b, self.kvs, NULL)

@@ -312,8 +312,9 @@ class Engine:
     - ``prefix_caching``: reuse the cached blocks (and, for recurrent
       models, state snapshots, within ``snapshot_bytes``) of earlier
       requests' prompts.
-    - ``aging_steps``: a waiting request's priority rises by one for every
-      this many steps it waits, so none waits forever (docs/ARCHITECTURE.md).
+    - ``aging_steps``: a request ranks as its priority minus one for every
+      this many steps the engine ran before it arrived: older requests need
+      less priority to come first, so none waits forever (docs/SERVING.md).
     - ``start=False``: no thread; drive it with ``step()``.
     """
 

@@ -83,11 +83,16 @@ def assert_matches_solo(model, req, cancelled_ok=True):
         assert req.top_logprobs == tops[:n]
 
 
-def run(engine, check=True):
+def run(engine, check=True, max_idle=50):
+    """Step until idle; a step that runs nothing while work remains, many
+    times over, is a livelock (fails instead of hanging)."""
+    idle = 0
     while engine._inbox or engine._core.busy:
-        engine.step()
+        ran = engine.step()
         if check:
             engine.check_invariants()
+        idle = 0 if ran else idle + 1
+        assert idle < max_idle, f"the engine makes no progress: {engine.stats()}"
 
 
 # ------------------------------------------------------ exactness, directly ---

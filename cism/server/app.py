@@ -270,6 +270,24 @@ def chunk_prefix(base, obj):
     return json.dumps(dict(base, object=obj), ensure_ascii=False, separators=(",", ":"))[:-1] + ',"choices":['
 
 
+def closing_events(srv, reqs, texts, prefix, empty, base, obj, include_usage, prompt_tokens):
+    """A stream's last events: each choice's finish reason (its delta or
+    text empty), then the usage if asked for; or the engine's error."""
+    failure = engine_failure(reqs)
+    if failure:
+        srv.metrics.finished("error", 0)
+        return [json.dumps(failure.body())]
+    events = [sse_chunk(prefix, dict({"index": i}, **empty, logprobs=None,
+                                     finish_reason=P.finish_reason(r.finish_reason, ct.stop_hit)))
+              for i, (r, ct) in enumerate(zip(reqs, texts))]
+    out_tokens = sum(ct.tokens for ct in texts)
+    srv.metrics.finished("ok", out_tokens)
+    if include_usage:
+        events.append(json.dumps(dict(base, object=obj, choices=[],
+                                      usage=P.usage(prompt_tokens, out_tokens, reqs[0].cached_tokens))))
+    return events
+
+
 async def chat_events(srv, reqs, texts, base, include_usage, want_lp, prompt_len):
     """The SSE events of a streamed chat completion (JSON text)."""
     prefix = chunk_prefix(base, "chat.completion.chunk")
@@ -281,19 +299,9 @@ async def chat_events(srv, reqs, texts, base, include_usage, want_lp, prompt_len
         if text or entry:
             yield sse_chunk(prefix, {"index": i, "delta": {"content": text}, "logprobs": entry,
                                      "finish_reason": None})
-    failure = engine_failure(reqs)
-    if failure:
-        srv.metrics.finished("error", 0)
-        yield json.dumps(failure.body())
-        return
-    for i, (r, ct) in enumerate(zip(reqs, texts)):
-        yield sse_chunk(prefix, {"index": i, "delta": {}, "logprobs": None,
-                                 "finish_reason": P.finish_reason(r.finish_reason, ct.stop_hit)})
-    out_tokens = sum(ct.tokens for ct in texts)
-    srv.metrics.finished("ok", out_tokens)
-    if include_usage:
-        yield json.dumps(dict(base, object="chat.completion.chunk", choices=[],
-                              usage=P.usage(prompt_len, out_tokens, reqs[0].cached_tokens)))
+    for event in closing_events(srv, reqs, texts, prefix, {"delta": {}}, base, "chat.completion.chunk",
+                                include_usage, prompt_len):
+        yield event
 
 
 async def completions(request):
@@ -378,19 +386,9 @@ async def completion_events(srv, reqs, texts, base, include_usage, want_lp, prom
             entry, offsets[i] = texts[i].completion_logprobs(tokens, lp, tp, offsets[i])
         if text or entry:
             yield sse_chunk(prefix, {"index": i, "text": text, "logprobs": entry, "finish_reason": None})
-    failure = engine_failure(reqs)
-    if failure:
-        srv.metrics.finished("error", 0)
-        yield json.dumps(failure.body())
-        return
-    for i, (r, ct) in enumerate(zip(reqs, texts)):
-        yield sse_chunk(prefix, {"index": i, "text": "", "logprobs": None,
-                                 "finish_reason": P.finish_reason(r.finish_reason, ct.stop_hit)})
-    out_tokens = sum(ct.tokens for ct in texts)
-    srv.metrics.finished("ok", out_tokens)
-    if include_usage:
-        yield json.dumps(dict(base, object="text_completion", choices=[],
-                              usage=P.usage(prompt_tokens, out_tokens, reqs[0].cached_tokens)))
+    for event in closing_events(srv, reqs, texts, prefix, {"text": ""}, base, "text_completion",
+                                include_usage, prompt_tokens):
+        yield event
 
 
 async def until_done(request, reqs, work):
