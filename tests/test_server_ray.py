@@ -44,8 +44,9 @@ def test_two_replicas_share_the_traffic_and_answer_as_one_server(smollm2_gguf):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = deployment(str(smollm2_gguf), model_name="smol", precision="int8", threads=1, num_replicas=2,
-                         engine_kwargs={"kv_blocks": 128}, num_cpus=0.5)
+        from cism.server.ray import build   # what `serve run cism.server.ray:build key=value...` calls
+        app = build({"model": str(smollm2_gguf), "model_name": "smol", "precision": "int8", "threads": "1",
+                     "replicas": "2", "kv_blocks": "128"})
         serve.run(app, name="cism", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -94,3 +95,11 @@ def test_cism_serve_ray_cli(smollm2_gguf):
         if p.poll() is None:
             p.kill()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_the_application_builder_names_a_bad_argument():
+    from cism.server.ray import build
+    with pytest.raises(ValueError, match="replica"):
+        build({"model": "m.gguf", "replica": "2"})     # a typo of replicas
+    with pytest.raises(ValueError, match="model=PATH"):
+        build({"replicas": "2"})

@@ -5,6 +5,10 @@ One machine (Serve starts a local Ray instance):
 
     cism serve --ray --replicas 2 --model model.gguf --precision int8 --port 8000
 
+or Ray's own CLI (an application builder):
+
+    serve run cism.server.ray:build model=model.gguf precision=int8 replicas=2
+
 or in Python:
 
     from ray import serve
@@ -64,6 +68,31 @@ def deployment(model_path, *, model_name=None, api_key=None, engine_kwargs=None,
         opts["num_replicas"] = num_replicas
     return CismReplica.options(**opts).bind(os.path.abspath(model_path), name, model_options,
                                             engine_kwargs or {}, api_key)
+
+
+def build(args):
+    """The application builder of Ray's own CLI:
+
+        serve run cism.server.ray:build model=model.gguf precision=int8 replicas=2
+
+    Arguments (strings): model (required), model_name, precision,
+    act_precision, kv_precision, threads, replicas, num_cpus (per
+    replica), max_seqs, kv_blocks, api_key."""
+    args = dict(args)
+    known = {"model", "model_name", "precision", "act_precision", "kv_precision", "threads", "replicas",
+             "num_cpus", "max_seqs", "kv_blocks", "api_key"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if "model" not in args:
+        raise ValueError("serve run cism.server.ray:build needs model=PATH")
+    model_options = {k: args[k] for k in ("precision", "act_precision", "kv_precision") if k in args}
+    if "threads" in args:
+        model_options["threads"] = int(args["threads"])
+    engine_kwargs = {k: int(args[k]) for k in ("max_seqs", "kv_blocks") if k in args}
+    return deployment(args["model"], model_name=args.get("model_name"), api_key=args.get("api_key"),
+                      engine_kwargs=engine_kwargs, num_replicas=int(args.get("replicas", 1)),
+                      num_cpus=float(args.get("num_cpus", 1)), **model_options)
 
 
 def serve_ray(model_path, *, model_name, host, port, replicas, api_key, model_options, engine_kwargs,
