@@ -26,7 +26,8 @@ from cism.engine import Engine, EngineClosed, QueueFull, Request  # noqa: F401
 
 __version__ = "0.1.0"
 
-FAMILIES = {"llama": "cism.dense", "qwen3": "cism.dense", "fwkv": "cism.fwkv", "surjo": "cism.surjo"}
+FAMILIES = {"llama": "cism.dense", "mistral": "cism.dense", "qwen2": "cism.dense", "qwen3": "cism.dense",
+            "fwkv": "cism.fwkv", "surjo": "cism.surjo"}
 
 
 def load(path, **kwargs):

@@ -36,7 +36,7 @@ from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
-from cism._config import MAX_KV_BYTES, is_int
+from cism._config import MAX_KV_BYTES, is_int, rope_divisors
 from cism._threads import resolve_threads
 from cism._weights import PRECISIONS, check_kv_precision, check_precisions, check_weights, rope_tables
 from cism.sampling import check_seed
@@ -62,12 +62,16 @@ cdef struct Layer:
     const float *post_norm
     const float *q_norm
     const float *k_norm
+    const float *q_bias            # Qwen2's projection biases, or NULL
+    const float *k_bias
+    const float *v_bias
 
 
 cdef struct ModelC:
     size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
     float eps
     bint qwen3
+    size_t window              # a query attends to its last `window` positions (0: all of them)
     Layer *layer
     cism_mat embed
     cism_mat head              # the embedding again when tied
@@ -134,6 +138,7 @@ cdef class DenseModel(WeightStore):
         self.c.kv_width = c.kv_heads * c.head_dim
         self.c.eps = c.eps
         self.c.qwen3 = c.model_type == "qwen3"
+        self.c.window = c.sliding_window
         self.c.kv_f16 = kv_precision == "fp16"
         self.kv_precision_ = kv_precision
         self.c.threads = nthreads
@@ -163,6 +168,10 @@ cdef class DenseModel(WeightStore):
             if self.c.qwen3:
                 L.q_norm = self._norm(p + "self_attn.q_norm.weight", arrays)
                 L.k_norm = self._norm(p + "self_attn.k_norm.weight", arrays)
+            if c.qkv_bias:
+                L.q_bias = self._norm(p + "self_attn.q_proj.bias", arrays)
+                L.k_bias = self._norm(p + "self_attn.k_proj.bias", arrays)
+                L.v_bias = self._norm(p + "self_attn.v_proj.bias", arrays)
             L.gate = self._matrix(p + "mlp.gate_proj.weight", arrays, mlp)[0]
             L.up = self._matrix(p + "mlp.up_proj.weight", arrays, mlp)[0]
             L.down = self._matrix(p + "mlp.down_proj.weight", arrays, mlp)[0]
@@ -184,8 +193,9 @@ cdef class DenseModel(WeightStore):
         return <const float*>cnp.PyArray_DATA(a)
 
     cdef _build_rope(self):
+        divisors = rope_divisors(self.config.rope_scaling, self.config.rope_theta, self.c.head_dim)
         inv, cos_t, sin_t = rope_tables(self.config.rope_theta, self.c.head_dim, self.c.context,
-                                        ROPE_TABLE_MAX)
+                                        ROPE_TABLE_MAX, divisors)
         self.rope_keep = [inv, cos_t, sin_t]
         self.c.inv_freq = <float*>cnp.PyArray_DATA(inv)
         self.c.rope_cos = <float*>cnp.PyArray_DATA(cos_t)
@@ -549,6 +559,11 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
     cdef float *tmp
     cdef float angle
     cdef const cism_kernels *K = kernel_table()
+    if L.q_bias != NULL:
+        # after the projection's sum, as torch's linear adds them
+        add_into(q, L.q_bias, m.q_width)
+        add_into(k, L.k_bias, m.kv_width)
+        add_into(w.v + g * m.kv_width, L.v_bias, m.kv_width)
     if m.qwen3:
         # per-head RMS norms of q and k before rotation
         for h in range(m.heads):
@@ -585,15 +600,40 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     tile for the positions every query sees, each query alone for the
     rest)."""
     cdef size_t hd = m.head_dim, QW = m.q_width
-    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, i
+    cdef size_t p0 = w.pos_of[g0], span = p0 + nq, i, lo
     cdef size_t kvh = h // (m.heads // m.kv_heads)
     cdef const float *q = w.q + g0 * QW + h * hd
     cdef float *out = w.att + g0 * QW + h * hd
-    kv_scores(K, kv, q, QW, nq, l, kvh, hd, sc, span, span, 0, (span + 15) // 16)
-    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
-    kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, QW, hd)
-    for i in range(1, nq):
-        kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
+    cdef float scale = 1.0 / sqrtf(<float>hd)
+    kv_scores(K, kv, q, QW, nq, l, kvh, hd, sc, span, span, window_start(m, p0) // 16, (span + 15) // 16)
+    if window_start(m, span - 1) == 0:
+        tile_softmax(K, sc, span, nq, p0, scale, out, QW, hd)
+        kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, QW, hd)
+        for i in range(1, nq):
+            kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
+    else:
+        # a sliding window cuts in: each query over its own positions (the
+        # tile's split above gives each query these bits too, axpy_tile's
+        # chain being plain axpy's)
+        for i in range(nq):
+            lo = window_start(m, p0 + i)
+            window_softmax(K, sc + i * span, lo, p0 + i, scale, out + i * QW, hd)
+            kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, lo, p0 + i + 1, 0, out + i * QW, QW, hd)
+
+
+cdef inline size_t window_start(const ModelC *m, size_t p) noexcept nogil:
+    """The first position a query at position p attends to: 0, or the
+    start of its sliding window (Mistral: the last `window` positions,
+    itself included, as transformers masks them)."""
+    return p + 1 - m.window if m.window and p + 1 > m.window else 0
+
+
+cdef inline void window_softmax(const cism_kernels *K, float *row, size_t lo, size_t p, float scale,
+                                float *out, size_t hd) noexcept nogil:
+    """tile_softmax for one query at position p over positions lo..p of its
+    score row (lo = 0: tile_softmax's bits); zeroes its output."""
+    K.softmax(row + lo, p + 1 - lo, scale)
+    memset(out, 0, hd * sizeof(float))
 
 
 cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size_t g, size_t kvh,
@@ -607,17 +647,17 @@ cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l
     value once for the heads and gives the weighted sums several
     independent chains."""
     cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads
-    cdef size_t p = w.pos_of[g], span = p + 1, h0, nh, j
+    cdef size_t p = w.pos_of[g], span = p + 1, h0, nh, j, lo = window_start(m, p)
     cdef const float *q
     cdef float *out
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
         q = w.q + g * m.q_width + h0 * hd
         out = w.att + g * m.q_width + h0 * hd
-        kv_scores(K, kv, q, hd, nh, l, kvh, hd, sc, span, span, 0, (span + 15) // 16)
+        kv_scores(K, kv, q, hd, nh, l, kvh, hd, sc, span, span, lo // 16, (span + 15) // 16)
         for j in range(nh):
-            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
-        kv_weighted(K, kv, sc, span, nh, l, kvh, 0, span, 0, out, hd, hd)
+            window_softmax(K, sc + j * span, lo, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd)
+        kv_weighted(K, kv, sc, span, nh, l, kvh, lo, span, 0, out, hd, hd)
 
 
 cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv,
@@ -633,14 +673,16 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
     positions in order, whatever columns the call covers). So every head
     gets attend()'s bits for it alone."""
     cdef size_t hd = m.head_dim
-    cdef size_t p = w.pos_of[0], span = p + 1, tiles = (span + 15) // 16
+    cdef size_t p = w.pos_of[0], span = p + 1, lo = window_start(m, p)
+    cdef size_t t0 = lo // 16, tiles = (span + 15) // 16 - t0   # the key tiles read: from the window's
     cdef size_t runs = min(tiles, <size_t>(4 * nt))      # runs of key tiles per KV group
     cdef size_t cols = (hd + SPLIT_COLS - 1) // SPLIT_COLS
     cdef size_t r
     for r in prange(m.kv_heads * runs, num_threads=nt, schedule='static'):
-        split_scores(m, K, w, l, kv, r // runs, tiles * (r % runs) // runs, tiles * (r % runs + 1) // runs)
+        split_scores(m, K, w, l, kv, r // runs, t0 + tiles * (r % runs) // runs,
+                     t0 + tiles * (r % runs + 1) // runs)
     for r in prange(m.heads, num_threads=nt, schedule='static'):
-        tile_softmax(K, w.hscores + r * span, span, 1, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd, hd)
+        window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd)
     for r in prange(m.kv_heads * cols, num_threads=nt, schedule='static'):
         split_weighted(m, K, w, l, kv, r // cols, (r % cols) * SPLIT_COLS)
 
@@ -659,10 +701,10 @@ cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t
     """attend_split's weighted sums of KV group kvh's heads, value columns
     c0..c0 + SPLIT_COLS (within the head), every position in order."""
     cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1
-    cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), h0, nh
+    cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), h0, nh, lo = window_start(m, span - 1)
     for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        kv_weighted(K, kv, w.hscores + h0 * span, span, nh, l, kvh, 0, span, c0, w.att + h0 * hd + c0, hd, n)
+        kv_weighted(K, kv, w.hscores + h0 * span, span, nh, l, kvh, lo, span, c0, w.att + h0 * hd + c0, hd, n)
 
 
 cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:

@@ -96,16 +96,25 @@ def all_finite(a):
     return bad == 0
 
 
-def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768):
-    """Rotary tables: inv_freq[j] = 1 / theta^(2j/d) in float, and cos/sin of
-    position * inv_freq[j] for the first min(context, max_positions)
-    positions (later positions use the same formula on the fly)."""
+def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768, divisors=None):
+    """Rotary tables: inv_freq[j] = 1 / theta^(2j/d) in float (divided by
+    divisors[j] when the model scales its rope: linear, llama3, a GGUF's
+    rope_freqs), and cos/sin of position * inv_freq[j] for the first
+    min(context, max_positions) positions (later positions use the same
+    formula on the fly)."""
     cdef size_t half = head_dim // 2, p, j
     cdef float th = <float>theta
     inv = np.empty(half, np.float32)
     cdef float[::1] iv = inv
+    cdef float[::1] dv
+    if divisors is not None:
+        dv = np.ascontiguousarray(divisors, np.float32)
+        if dv.shape[0] != half:
+            raise ValueError(f"{dv.shape[0]} rope divisors for {half} rotary frequencies")
     for j in range(half):
         iv[j] = 1.0 / powf(th, <float>(2 * j) / <float>head_dim)
+        if divisors is not None:
+            iv[j] = iv[j] / dv[j]
         if not isfinite(iv[j]) or not isfinite(iv[j] * <float>(context - 1)):
             raise ValueError("rope_theta produces non-finite FP32 rotary angles")
     positions = min(context, max_positions)

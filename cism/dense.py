@@ -1,4 +1,6 @@
-"""Dense decoder-only transformers: Llama and Qwen3 (``cism.dense``).
+"""Dense decoder-only transformers: Llama (with Llama 3's rope scaling),
+Mistral (with its sliding window), Qwen2 (q/k/v biases) and Qwen3
+(``cism.dense``).
 
     from cism.dense import Model
     model = Model.from_pretrained("path/to/hf-dir-or.gguf", precision="int8")
@@ -13,7 +15,7 @@ from cism import _config as C
 from cism._dense import BatchSession, DenseModel, PagedSession, Session  # noqa: F401
 from cism.generation import GenerationMixin
 
-MODEL_TYPES = ("llama", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,15 @@ class Config:
     eps: float = 1e-6
     rope_theta: float = 10000.0
     tied: bool = False
+    # Beyond plain Llama; each is left out of canonical() at its default, so
+    # the compile keys of the models that do not use it are unchanged.
+    qkv_bias: bool = False           # Qwen2: biases on the q, k and v projections
+    sliding_window: int = 0          # Mistral: a query sees its last `sliding_window` positions (0: all)
+    rope_scaling: tuple = ()         # _config.hf_rope's form: (), linear, llama3 or per-frequency factors
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
-            raise ValueError("model_type must be llama or qwen3 (dense models only), "
+            raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (dense models only), "
                              f"got {self.model_type!r}")
         set_ = object.__setattr__
         set_(self, "hidden", C.bound(self.hidden, 65536, "hidden_size"))
@@ -52,6 +59,11 @@ class Config:
         set_(self, "eps", C.positive_float(self.eps, "rms_norm_eps"))
         set_(self, "rope_theta", C.positive_float(self.rope_theta, "rope_theta"))
         set_(self, "tied", C.flag(self.tied, "tie_word_embeddings"))
+        set_(self, "qkv_bias", C.flag(self.qkv_bias, "qkv_bias"))
+        if self.sliding_window:
+            set_(self, "sliding_window", C.bound(self.sliding_window, 1 << 30, "sliding_window"))
+        set_(self, "rope_scaling", tuple(self.rope_scaling))
+        C.rope_divisors(self.rope_scaling, self.rope_theta, self.head_dim)   # checks the factors' count
 
     @property
     def kv_width(self):
@@ -64,10 +76,18 @@ class Config:
             raise ValueError(f"config must be a dict, got {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type must be llama or qwen3 (dense models only), got {model_type!r}")
+            raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (dense models only), "
+                             f"got {model_type!r}")
         for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
             if d.get(key):
                 raise ValueError(f"config.json {key}=true is not supported ({what} are not implemented)")
+        window = 0
+        if model_type == "mistral" and d.get("sliding_window") is not None:
+            window = d["sliding_window"]
+        if model_type == "qwen2" and d.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window=true is not supported (Qwen2's windows "
+                             "on some layers only are not implemented)")
+        theta, rope = C.hf_rope(d)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
@@ -90,8 +110,11 @@ class Config:
             vocab=C.hf_get(d, "vocab_size"),
             context=C.hf_get(d, "max_position_embeddings"),
             eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=C.hf_rope_theta(d),
+            rope_theta=theta,
             tied=d.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2",
+            sliding_window=window,
+            rope_scaling=rope,
         )
 
     def to_hf(self):
@@ -103,13 +126,19 @@ class Config:
             "max_position_embeddings": self.context, "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta, "tie_word_embeddings": self.tied,
             "hidden_act": "silu",
+            **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
+            **C.rope_to_hf(self.rope_scaling),
         }
 
     def canonical(self):
         """The spec's canonical string of the shape (floats in hex)."""
         return "|".join([self.model_type] + [str(getattr(self, f.name)) for f in fields(self)[1:9]]
                         + [float(np.float32(self.eps)).hex(), float(np.float32(self.rope_theta)).hex(),
-                           str(int(self.tied))])
+                           str(int(self.tied))]
+                        + (["qkv-bias"] if self.qkv_bias else [])
+                        + ([f"window={self.sliding_window}"] if self.sliding_window else [])
+                        + ([self.rope_scaling[0]] + [float(np.float32(v)).hex() for v in self.rope_scaling[1:]]
+                           if self.rope_scaling else []))
 
 
 def weight_shapes(config, has_head):
@@ -129,6 +158,10 @@ def weight_shapes(config, has_head):
         shapes[p + "self_attn.k_proj.weight"] = (kv, c.hidden)
         shapes[p + "self_attn.v_proj.weight"] = (kv, c.hidden)
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden, q)
+        if c.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
         if c.model_type == "qwen3":
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
@@ -142,7 +175,7 @@ def weight_shapes(config, has_head):
 
 
 class Model(GenerationMixin, DenseModel):
-    """A dense Llama/Qwen3 model: DenseModel's sessions and evaluation plus
+    """A dense Llama/Mistral/Qwen2/Qwen3 model: DenseModel's sessions and evaluation plus
     text generation (generate/stream) with the checkpoint's tokenizer."""
 
     config_class = Config

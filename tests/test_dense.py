@@ -26,8 +26,16 @@ def hf_model(kind, seed, **kw):
                   max_position_embeddings=256, tie_word_embeddings=kw.get("tied", False),
                   initializer_range=0.1, rope_theta=kw.get("theta", 10000.0))
     if kind == "llama":
-        cfg = transformers.LlamaConfig(rms_norm_eps=1e-5, head_dim=kw.get("head_dim"), **common)
+        cfg = transformers.LlamaConfig(rms_norm_eps=1e-5, head_dim=kw.get("head_dim"),
+                                       rope_scaling=kw.get("rope_scaling"), **common)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(rms_norm_eps=1e-5, head_dim=kw.get("head_dim"),
+                                         sliding_window=kw.get("window"), **common)
+        model = transformers.MistralForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(rms_norm_eps=1e-6, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, head_dim=kw.get("head_dim", 64), **common)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -47,20 +55,42 @@ PARITY = [
     ("llama", dict(heads=2, kv=1, head_dim=128, hidden=128, inter=96, tied=True)),
     ("qwen3", dict(heads=4, kv=2, head_dim=64, vocab=299)),          # q/k norms, width != hidden
     ("qwen3", dict(heads=2, kv=2, head_dim=128, tied=True, layers=3)),
+    # Llama 3.x rope scaling: 128-wide heads give frequencies in all three
+    # bands of the llama3 rule (kept, divided, blended) for this short
+    # original context; linear scaling divides them all
+    ("llama", dict(heads=2, kv=1, head_dim=128, hidden=128, theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    ("llama", dict(heads=4, kv=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    ("qwen2", dict(heads=4, kv=2, vocab=305)),                       # q/k/v biases
+    ("qwen2", dict(heads=4, kv=1, tied=True)),
+    # a sliding window shorter than the prompt (13) and the generation (45)
+    ("mistral", dict(heads=4, kv=2, window=8)),
+    ("mistral", dict(heads=4, kv=4, window=1, tied=True)),
+    ("mistral", dict(heads=4, kv=2, window=None)),
 ]
 
 
 @pytest.mark.parametrize("kind,kw", PARITY)
 def test_parity_with_transformers(kind, kw, tmp_path):
     cfg_dict, hf = hf_model(kind, seed=len(str(kw)), **kw)
+    if kind == "qwen2":   # random biases (transformers starts them at zero)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("proj.bias"):
+                    p.copy_(0.5 * torch.randn_like(p))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = Model.from_pretrained(tmp_path, threads=2)
     assert model.config == Config.from_hf(cfg_dict)
+    assert model.config.sliding_window == (kw.get("window") or 0)
+    assert bool(model.config.rope_scaling) == ("rope_scaling" in kw)
     prompt = [3, 17, 42, 99, 5, 7, 250, 1, 0, 280, 12, 12, 12]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0].numpy()
-        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                          do_sample=False)[0, len(prompt):].tolist()
+        # windows without transformers' KV cache: at window=1 its cached
+        # generate disagrees with its own uncached forward
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          use_cache=kind != "mistral")[0, len(prompt):].tolist()
     got = model.logits(prompt)
     assert np.abs(got - want[-1]).max() / np.abs(want[-1]).max() < 1e-4
     assert model.create_session(prompt, 32).next_tokens(32) == gen
@@ -111,6 +141,48 @@ def test_decode_steps_equal_blocked_prefill(precision, heads, kv_heads, kv, head
                 break
             assert np.array_equal(s.last_logits, model.logits(prompt + generated)), threads
         assert len(generated) == 12
+
+@pytest.mark.parametrize("window", [1, 16, 40, 200])
+def test_sliding_window_decode_equals_blocked_prefill(window):
+    """A Mistral window, every attention path: prompt tiles that the window
+    cuts into (a query tile's own starts), lone decode tokens (the group as
+    one tile) and, from 256 positions at two threads, attend_split, whose
+    key tiles then start at the window's. Each step's logits equal blocked
+    prefill's; and the window changes them (against window 0)."""
+    for threads in (1, 2):
+        model = small_model("mistral", threads=threads, context=1024, sliding_window=window)
+        prompt = list(np.random.default_rng(5).integers(0, 97, 250))
+        s = model.create_session(prompt, 12)
+        s.next_tokens(0)
+        generated = []
+        for _ in range(11):
+            generated += s.next_tokens(1)
+            assert np.array_equal(s.last_logits, model.logits(prompt + generated)), (window, threads)
+    full = small_model("mistral", threads=2, context=1024)
+    assert not np.array_equal(full.logits(prompt), model.logits(prompt))
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("mistral", dict(sliding_window=5)), ("qwen2", dict(qkv_bias=True)),
+    ("llama", dict(head_dim=64, heads=2, kv_heads=1, rope_theta=5e5,
+                   rope_scaling=("llama3", 8.0, 1.0, 4.0, 32))),
+    ("llama", dict(rope_scaling=("linear", 2.5)))])
+def test_architectures_follow_the_reference(kind, kw):
+    """Each architecture's difference against the NumPy forward of
+    tests/reference/dense.py (float64, written from the equations): the
+    window's mask, the biases, the scaled rotary frequencies."""
+    from reference.dense import forward as ref_forward
+    config = small_config(kind, **kw)
+    w = dense_weights(config, 3)
+    prompt = list(np.random.default_rng(1).integers(0, 97, 40))
+    want = ref_forward(config.to_hf(), w, prompt)
+    got = Model(config, w, threads=2).logits(prompt)
+    assert np.abs(got - want[-1]).max() / np.abs(want[-1]).max() < 1e-4
+    plain = small_config("llama", **{k: v for k, v in kw.items() if k in ("head_dim", "heads", "kv_heads",
+                                                                           "rope_theta")})
+    w_plain = {k: v for k, v in w.items() if not k.endswith(".bias")}
+    assert not np.allclose(Model(plain, w_plain, threads=2).logits(prompt), got, rtol=1e-3, atol=1e-3)
+
 
 @pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("int8", "fp16")])
 def test_speculative_equals_greedy(precision, kv):
@@ -234,7 +306,11 @@ def test_config_validation_messages():
               head_dim=16, vocab=97, context=64)
     Config(**ok)
     cases = [
-        (dict(model_type="gpt2"), "model_type must be llama or qwen3"),
+        (dict(model_type="gpt2"), "model_type must be one of llama, mistral, qwen2, qwen3"),
+        (dict(sliding_window=-3), "sliding_window is outside supported bounds"),
+        (dict(qkv_bias=1), "qkv_bias must be true or false"),
+        (dict(rope_scaling=("factors", 1.0, 2.0)), "2 factors; head_dim 16 needs 8"),
+        (dict(rope_scaling=("factors",) + (0.0,) * 8), "rope_freq_factors must be finite"),
         (dict(hidden=0), "hidden_size is outside supported bounds"),
         (dict(hidden=65537), "hidden_size is outside supported bounds"),
         (dict(intermediate=262145), "intermediate_size is outside supported bounds"),
@@ -265,11 +341,29 @@ def test_from_hf_mapping_and_refusals():
     assert (c.kv_heads, c.head_dim, c.tied, c.rope_theta) == (4, 16, False, 10000.0)
     c = Config.from_hf({**d, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
     assert c.rope_theta == 5e5
-    for extra, message in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "not implemented"),
-                           ({"rope_scaling": {"type": "yarn"}}, "not implemented"),
+    c = Config.from_hf({**d, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert c.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 8192)    # transformers' defaults
+    c = Config.from_hf({**d, "rope_parameters": {"rope_type": "linear", "factor": 1.0, "rope_theta": 5e5}})
+    assert c.rope_scaling == () and c.rope_theta == 5e5         # linear by 1 is plain RoPE
+    c = Config.from_hf({**d, "model_type": "mistral", "sliding_window": 4096})
+    assert c.sliding_window == 4096 and Config.from_hf({**d, "sliding_window": 7}).sliding_window == 0
+    assert Config.from_hf({**d, "model_type": "qwen2"}).qkv_bias
+    for extra, message in [({"rope_scaling": {"type": "yarn"}}, "'yarn' is not implemented"),
+                           ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "not implemented"),
+                           ({"rope_scaling": {"rope_type": "linear"}}, "has no 'factor'"),
+                           ({"rope_scaling": {"rope_type": "linear", "factor": -2}}, "factor must be finite"),
+                           ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 4.0}},
+                            "high_freq_factor > low_freq_factor"),
+                           ({"rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 0}},
+                            "positive integer"),
+                           ({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                             "rope_parameters": {"rope_type": "linear", "factor": 3.0}}, "disagree"),
+                           ({"model_type": "mistral", "sliding_window": -1}, "sliding_window"),
+                           ({"model_type": "mistral", "sliding_window": "8"}, "sliding_window must be an integer"),
+                           ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
                            ({"attention_bias": True}, "attention_bias"),
                            ({"hidden_act": "gelu"}, "hidden_act"),
-                           ({"model_type": "mistral"}, "model_type")]:
+                           ({"model_type": "gemma"}, "model_type")]:
         with pytest.raises(ValueError, match=message):
             Config.from_hf({**d, **extra})
     with pytest.raises(ValueError, match="missing 'vocab_size'"):

@@ -123,6 +123,23 @@ def test_mixed_requests_equal_solo_sessions(family):
         assert sum(st_[f"finished_{k}"] for k in ("stop", "length", "cancelled", "error")) == len(reqs)
 
 
+@pytest.mark.parametrize("kind,kw", [("mistral", dict(sliding_window=11)), ("qwen2", dict(qkv_bias=True)),
+                                     ("llama", dict(rope_scaling=("llama3", 8.0, 1.0, 4.0, 16)))])
+def test_architectures_in_the_engine_equal_solo(kind, kw):
+    """Windows over the paged pool (and prefix-cache hits, chunks and
+    batches that cut through them), biases, scaled rope: solo's bits."""
+    m = small_model(kind, **kw)
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, 97, 35).tolist()
+    with Engine(m, kv_blocks=40, max_seqs=5, max_step_tokens=24, start=False) as eng:
+        reqs = [eng.submit(system + rng.integers(0, 97, int(rng.integers(1, 30))).tolist(), 24,
+                           temperature=0.6 * (i % 2), seed=i, logprobs=True) for i in range(8)]
+        run(eng)
+        for r in reqs:
+            assert_matches_solo(m, r)
+        assert eng.stats()["prefix_hits"] >= 1
+
+
 @pytest.mark.parametrize("family,precision,act,kv", [
     ("dense", "fp16", "fp32", "fp16"), ("dense", "int8", "int8", "fp32"),
     ("dense", "hybrid-int4", "int8", "fp32"), ("surjo", "int8", "int8", "fp16"),

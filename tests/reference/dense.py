@@ -1,10 +1,11 @@
-"""NumPy reference forward pass for dense Llama and Qwen3 decoders (HF layout).
+"""NumPy reference forward pass for dense Llama, Mistral, Qwen2 and Qwen3
+decoders (HF layout).
 
 Inputs
 ------
 ``config``: an HF ``config.json``-style dict with
 
-    model_type            "llama" | "qwen3"
+    model_type            "llama" | "mistral" | "qwen2" | "qwen3"
     hidden_size           D
     intermediate_size     F
     num_hidden_layers     L
@@ -15,6 +16,9 @@ Inputs
     rms_norm_eps          eps
     rope_theta            theta          (or rope_parameters["rope_theta"], transformers 5)
     tie_word_embeddings   lm_head == embed_tokens when true
+    sliding_window        W: mistral only (null: none)
+    rope_scaling          {"rope_type": "linear", "factor"} or llama3's (factor,
+                          low_freq_factor, high_freq_factor, original_max_position_embeddings)
 
 ``weights``: HF tensor names -> arrays, every linear weight stored (out, in):
 
@@ -24,6 +28,7 @@ Inputs
     model.layers.N.self_attn.k_proj.weight         (Hkv*Dh, D)
     model.layers.N.self_attn.v_proj.weight         (Hkv*Dh, D)
     model.layers.N.self_attn.o_proj.weight         (D, H*Dh)
+    model.layers.N.self_attn.{q,k,v}_proj.bias     qwen2 only
     model.layers.N.self_attn.q_norm.weight         (Dh,)   qwen3 only
     model.layers.N.self_attn.k_norm.weight         (Dh,)   qwen3 only
     model.layers.N.post_attention_layernorm.weight (D,)
@@ -39,11 +44,13 @@ Equations (x_t is the residual stream of token t at absolute position p_t)
     x_t            = embed[token_t]
     per layer:
       h            = rms(x; input_layernorm)
-      q, k, v      = Wq h, Wk h, Wv h               split into heads of Dh
+      q, k, v      = Wq h, Wk h, Wv h  (+ bq, bk, bv: qwen2)   split into heads of Dh
       qwen3:  q_i  = rms(q_i; q_norm), k_j = rms(k_j; k_norm)   per head, before RoPE
       RoPE (HF rotate-half): for i < Dh/2, inv_freq_i = theta^(-2i/Dh), a = p * inv_freq_i,
+              (linear: inv_freq_i / factor; llama3: wavelength 2pi/inv_freq_i below
+               orig/high kept, above orig/low divided by factor, blended between)
               (u_i, u_{i+Dh/2}) <- (u_i cos a - u_{i+Dh/2} sin a, u_{i+Dh/2} cos a + u_i sin a)
-      att_i(t)     = sum_{s<=t} softmax_s(q_i(t).k_j(s) / sqrt(Dh)) v_j(s),  j = i // (H/Hkv)
+      att_i(t)     = sum_{t-W<s<=t} softmax_s(q_i(t).k_j(s) / sqrt(Dh)) v_j(s),  j = i // (H/Hkv)
       x           += Wo concat_i att_i
       h            = rms(x; post_attention_layernorm)
       x           += Wdown (silu(Wgate h) * Wup h)          silu(z) = z sigmoid(z)
@@ -70,14 +77,16 @@ def _cfg(config):
     if theta is None:
         theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     model_type = config.get("model_type", "llama")
-    if model_type not in ("llama", "qwen3"):
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(f"unsupported model_type {model_type!r}")
     if heads % kv_heads:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     return dict(model_type=model_type, hidden=hidden, heads=heads, kv_heads=kv_heads,
                 head_dim=head_dim, layers=config["num_hidden_layers"],
                 vocab=config["vocab_size"], eps=float(config.get("rms_norm_eps", 1e-6)),
-                theta=float(theta), tied=bool(config.get("tie_word_embeddings", False)))
+                theta=float(theta), tied=bool(config.get("tie_word_embeddings", False)),
+                window=(config.get("sliding_window") or 0) if model_type == "mistral" else 0,
+                rope_scaling=config.get("rope_scaling") or {})
 
 
 def _rms_norm(x, weight, eps):
@@ -85,10 +94,27 @@ def _rms_norm(x, weight, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def _rope(u, positions, theta):
+def _inv_freq(half, theta, scaling):
+    """Rotary frequencies, scaled as transformers scales them."""
+    inv_freq = theta ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))  # (Dh/2,)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        orig = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (orig / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return np.where(wavelen < orig / high, inv_freq, np.where(wavelen > orig / low, inv_freq / factor, blended))
+    assert kind in (None, "default"), kind
+    return inv_freq
+
+
+def _rope(u, positions, theta, scaling=None):
     """HF rotate-half RoPE. u: (T, heads, Dh); positions: (T,) absolute."""
     half = u.shape[-1] // 2
-    inv_freq = theta ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))  # (Dh/2,)
+    inv_freq = _inv_freq(half, theta, scaling or {})
     angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]                # (T, Dh/2)
     cos = np.cos(angle).astype(u.dtype)[:, None, :]
     sin = np.sin(angle).astype(u.dtype)[:, None, :]
@@ -128,6 +154,8 @@ def forward(config, weights, tokens, cache=None, dtype=np.float64, kv_round=None
     positions = np.arange(start, start + T)
     # new token t (absolute start+t) may see cached/new keys s <= start+t
     mask = np.arange(start + T)[None, :] > positions[:, None]              # (T, start+T)
+    if c["window"]:   # and keys W or more positions back
+        mask |= np.arange(start + T)[None, :] <= positions[:, None] - c["window"]
     x = w("model.embed_tokens.weight")[tokens]                               # (T, D)
     for n in range(c["layers"]):
         p = f"model.layers.{n}."
@@ -136,12 +164,16 @@ def forward(config, weights, tokens, cache=None, dtype=np.float64, kv_round=None
         q = (h @ w(p + "self_attn.q_proj.weight").T).reshape(T, H, Dh)
         k = (h @ w(p + "self_attn.k_proj.weight").T).reshape(T, Hkv, Dh)
         v = (h @ w(p + "self_attn.v_proj.weight").T).reshape(T, Hkv, Dh)
+        if c["model_type"] == "qwen2":
+            q = q + w(p + "self_attn.q_proj.bias").reshape(H, Dh)
+            k = k + w(p + "self_attn.k_proj.bias").reshape(Hkv, Dh)
+            v = v + w(p + "self_attn.v_proj.bias").reshape(Hkv, Dh)
         if c["model_type"] == "qwen3":
             # per-head q/k RMSNorm over head_dim, before RoPE
             q = _rms_norm(q, w(p + "self_attn.q_norm.weight"), c["eps"])
             k = _rms_norm(k, w(p + "self_attn.k_norm.weight"), c["eps"])
         # rotate q and k
-        q, k = _rope(q, positions, c["theta"]), _rope(k, positions, c["theta"])
+        q, k = (_rope(u, positions, c["theta"], c["rope_scaling"]) for u in (q, k))
         if kv_round is not None:
             k, v = k.astype(kv_round).astype(dtype), v.astype(kv_round).astype(dtype)
         # append to this layer's cache
