@@ -1,11 +1,22 @@
-/* Decoders for the ggml tensor types cism reads from GGUF files (layouts in
- * cism/loaders/ggml_types.py, whose numpy versions are the reference these
- * match bit for bit). Plain C called with the GIL released: loading is not a
- * hot path, but numpy's mixed-dtype ufuncs allocate their cast buffers
- * without the GIL and crash the process when that allocation fails, so the
- * loader's worker threads must not depend on them. Values are rounded as
- * the reference rounds them: (q - 8) * d for Q4_0, q * d then + m for Q4_1
- * (two roundings: build without floating-point contraction). */
+/* Decoders for the ggml tensor types cism reads from GGUF files, to float32.
+ *
+ * The oracle is gguf-py's gguf.quants.dequantize: these match it bit for bit
+ * (tests/test_ggml_quants.py, tests/test_loaders.py), computing what it
+ * computes in its order: the sub-block scale first (d * sc), then the element
+ * (dl * q), then the offset (- ml, + m). Every product is exact in float32:
+ * an fp16 significand has 11 bits and the integer factors together at most
+ * 12 more (Q6_K: |sc| <= 128 and |q - 32| <= 32), within float32's 24. So
+ * only the final offset rounds, and neither the order of the products nor a
+ * fused multiply-add (ggml-quants.c writes the same expressions, and a
+ * llama.cpp build may contract them) can change a bit of a finite result.
+ *
+ * Plain C called with the GIL released: loading is not a hot path, but
+ * numpy's mixed-dtype ufuncs allocate their cast buffers without the GIL and
+ * crash the process when that allocation fails, so the loader's decode must
+ * not depend on them.
+ *
+ * Block layouts (ggml-common.h), byte offsets within one block; fp16 fields
+ * are little-endian IEEE binary16. QK_K = 256 elements per super-block. */
 #ifndef CISM_GGML_H
 #define CISM_GGML_H
 #include <stddef.h>
@@ -14,57 +25,298 @@
 #include "formats.h"
 
 enum { CISM_GGML_F32 = 0, CISM_GGML_F16 = 1, CISM_GGML_Q4_0 = 2, CISM_GGML_Q4_1 = 3,
-       CISM_GGML_Q8_0 = 8, CISM_GGML_BF16 = 30 };
+       CISM_GGML_Q5_0 = 6, CISM_GGML_Q5_1 = 7, CISM_GGML_Q8_0 = 8, CISM_GGML_Q2_K = 10,
+       CISM_GGML_Q3_K = 11, CISM_GGML_Q4_K = 12, CISM_GGML_Q5_K = 13, CISM_GGML_Q6_K = 14,
+       CISM_GGML_IQ4_NL = 20, CISM_GGML_IQ4_XS = 23, CISM_GGML_BF16 = 30 };
+
+#define CISM_QK_K 256
+
+/* 32-element blocks. Nibble byte j holds element j (low) and j + 16 (high);
+ * Q5's qh is a little-endian u32 whose bit i is the fifth bit of element i. */
+enum { CISM_Q8_0_D = 0, CISM_Q8_0_QS = 2, CISM_Q8_0_BYTES = 34 };   /* d * q, q int8 */
+enum { CISM_Q4_0_D = 0, CISM_Q4_0_QS = 2, CISM_Q4_0_BYTES = 18 };   /* d * (q - 8) */
+enum { CISM_Q4_1_D = 0, CISM_Q4_1_M = 2, CISM_Q4_1_QS = 4, CISM_Q4_1_BYTES = 20 };  /* d * q + m */
+enum { CISM_Q5_0_D = 0, CISM_Q5_0_QH = 2, CISM_Q5_0_QS = 6, CISM_Q5_0_BYTES = 22 }; /* d * (q - 16) */
+enum { CISM_Q5_1_D = 0, CISM_Q5_1_M = 2, CISM_Q5_1_QH = 4, CISM_Q5_1_QS = 8,
+       CISM_Q5_1_BYTES = 24 };                                      /* d * q + m */
+enum { CISM_IQ4_NL_D = 0, CISM_IQ4_NL_QS = 2, CISM_IQ4_NL_BYTES = 18 };  /* d * levels[q] */
+
+/* 256-element super-blocks, described at each decoder below. */
+enum { CISM_Q2_K_SCALES = 0, CISM_Q2_K_QS = 16, CISM_Q2_K_D = 80, CISM_Q2_K_DMIN = 82,
+       CISM_Q2_K_BYTES = 84 };
+enum { CISM_Q3_K_HMASK = 0, CISM_Q3_K_QS = 32, CISM_Q3_K_SCALES = 96, CISM_Q3_K_D = 108,
+       CISM_Q3_K_BYTES = 110 };
+enum { CISM_Q4_K_D = 0, CISM_Q4_K_DMIN = 2, CISM_Q4_K_SCALES = 4, CISM_Q4_K_QS = 16,
+       CISM_Q4_K_BYTES = 144 };
+enum { CISM_Q5_K_D = 0, CISM_Q5_K_DMIN = 2, CISM_Q5_K_SCALES = 4, CISM_Q5_K_QH = 16,
+       CISM_Q5_K_QS = 48, CISM_Q5_K_BYTES = 176 };
+enum { CISM_Q6_K_QL = 0, CISM_Q6_K_QH = 128, CISM_Q6_K_SCALES = 192, CISM_Q6_K_D = 208,
+       CISM_Q6_K_BYTES = 210 };
+enum { CISM_IQ4_XS_D = 0, CISM_IQ4_XS_SCALES_H = 2, CISM_IQ4_XS_SCALES_L = 4, CISM_IQ4_XS_QS = 8,
+       CISM_IQ4_XS_BYTES = 136 };
+
+_Static_assert(CISM_Q5_0_QS == CISM_Q5_0_QH + 4 && CISM_Q5_0_BYTES == CISM_Q5_0_QS + 16, "q5_0");
+_Static_assert(CISM_Q5_1_QS == CISM_Q5_1_QH + 4 && CISM_Q5_1_BYTES == CISM_Q5_1_QS + 16, "q5_1");
+_Static_assert(CISM_Q2_K_QS == CISM_QK_K / 16 && CISM_Q2_K_D == CISM_Q2_K_QS + CISM_QK_K / 4 &&
+               CISM_Q2_K_BYTES == CISM_Q2_K_DMIN + 2, "q2_K");
+_Static_assert(CISM_Q3_K_QS == CISM_QK_K / 8 && CISM_Q3_K_SCALES == CISM_Q3_K_QS + CISM_QK_K / 4 &&
+               CISM_Q3_K_D == CISM_Q3_K_SCALES + 12 && CISM_Q3_K_BYTES == CISM_Q3_K_D + 2, "q3_K");
+_Static_assert(CISM_Q4_K_QS == CISM_Q4_K_SCALES + 12 &&
+               CISM_Q4_K_BYTES == CISM_Q4_K_QS + CISM_QK_K / 2, "q4_K");
+_Static_assert(CISM_Q5_K_QH == CISM_Q5_K_SCALES + 12 && CISM_Q5_K_QS == CISM_Q5_K_QH + CISM_QK_K / 8 &&
+               CISM_Q5_K_BYTES == CISM_Q5_K_QS + CISM_QK_K / 2, "q5_K");
+_Static_assert(CISM_Q6_K_QH == CISM_QK_K / 2 && CISM_Q6_K_SCALES == CISM_Q6_K_QH + CISM_QK_K / 4 &&
+               CISM_Q6_K_D == CISM_Q6_K_SCALES + CISM_QK_K / 16 && CISM_Q6_K_BYTES == CISM_Q6_K_D + 2,
+               "q6_K");
+_Static_assert(CISM_IQ4_XS_QS == CISM_IQ4_XS_SCALES_L + CISM_QK_K / 64 &&
+               CISM_IQ4_XS_BYTES == CISM_IQ4_XS_QS + CISM_QK_K / 2, "iq4_xs");
+
+/* The 16 non-uniform levels of IQ4_NL and IQ4_XS (kvalues_iq4nl). */
+static const int8_t cism_ggml_iq4_levels[16] = {
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline float cism_ggml_half(const uint8_t *p) {
     return cism_fp16_to_f32((uint16_t)(p[0] | (p[1] << 8)));   /* little-endian in the file */
 }
 
+static inline uint32_t cism_ggml_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void cism_ggml_q8_0(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q8_0_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_Q8_0_D);
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)raw[CISM_Q8_0_QS + j] * d;
+    }
+}
+
+static void cism_ggml_q4_0(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q4_0_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_Q4_0_D);
+        const uint8_t *qs = raw + CISM_Q4_0_QS;
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)((qs[j] & 15) - 8) * d;
+            out[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void cism_ggml_q4_1(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q4_1_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_Q4_1_D), m = cism_ggml_half(raw + CISM_Q4_1_M);
+        const uint8_t *qs = raw + CISM_Q4_1_QS;
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)(qs[j] & 15) * d + m;
+            out[j + 16] = (float)(qs[j] >> 4) * d + m;
+        }
+    }
+}
+
+static void cism_ggml_q5_0(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q5_0_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_Q5_0_D);
+        const uint32_t qh = cism_ggml_u32(raw + CISM_Q5_0_QH);
+        const uint8_t *qs = raw + CISM_Q5_0_QS;
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            const int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            out[j] = d * (float)(lo - 16);
+            out[j + 16] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void cism_ggml_q5_1(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q5_1_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_Q5_1_D), m = cism_ggml_half(raw + CISM_Q5_1_M);
+        const uint32_t qh = cism_ggml_u32(raw + CISM_Q5_1_QH);
+        const uint8_t *qs = raw + CISM_Q5_1_QS;
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            const int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            out[j] = d * (float)lo + m;
+            out[j + 16] = d * (float)hi + m;
+        }
+    }
+}
+
+static void cism_ggml_iq4_nl(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_IQ4_NL_BYTES, out += 32) {
+        const float d = cism_ggml_half(raw + CISM_IQ4_NL_D);
+        const uint8_t *qs = raw + CISM_IQ4_NL_QS;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)cism_ggml_iq4_levels[qs[j] & 15];
+            out[j + 16] = d * (float)cism_ggml_iq4_levels[qs[j] >> 4];
+        }
+    }
+}
+
+/* The 2-bit codes of Q2_K and Q3_K: sub-block j (16 elements) of a
+ * super-block reads bit pair j % 8 / 2 of the 16 bytes qs[32 * (j / 8) +
+ * 16 * (j % 2) ...]: each 32-byte half of qs holds four 32-element runs. */
+static inline const uint8_t *cism_ggml_q2_run(const uint8_t *qs, int j, int *shift) {
+    *shift = 2 * (j % 8 / 2);
+    return qs + 32 * (j / 8) + 16 * (j % 2);
+}
+
+/* Q2_K: 16 sub-blocks of 16. scales[j] holds sub-block j's scale (low
+ * nibble) and min (high nibble); value = (d * sc) * q - (dmin * m). */
+static void cism_ggml_q2_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q2_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q2_K_D), dmin = cism_ggml_half(raw + CISM_Q2_K_DMIN);
+        for (int j = 0; j < 16; j++, out += 16) {
+            const uint8_t sc = raw[CISM_Q2_K_SCALES + j];
+            const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+            int shift;
+            const uint8_t *q = cism_ggml_q2_run(raw + CISM_Q2_K_QS, j, &shift);
+            for (int l = 0; l < 16; l++) out[l] = dl * (float)((q[l] >> shift) & 3) - ml;
+        }
+    }
+}
+
+/* Q3_K: 16 sub-blocks of 16; 2-bit codes as Q2_K, plus a high bit: hmask
+ * bit j / 2 of byte (16 * (j % 2) + l), set meaning no offset and clear
+ * meaning -4, so q is in [-4, 3]. Six-bit scales, biased by 32: the low four
+ * bits of scale j are byte j % 8 of scales (low nibble for j < 8, high for
+ * j >= 8), the top two bits are bit pair j / 4 of byte 8 + j % 4.
+ * value = (d * (scale - 32)) * q. */
+static void cism_ggml_q3_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q3_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q3_K_D);
+        const uint8_t *sc = raw + CISM_Q3_K_SCALES, *hmask = raw + CISM_Q3_K_HMASK;
+        for (int j = 0; j < 16; j++, out += 16) {
+            const int low = (sc[j % 8] >> (j < 8 ? 0 : 4)) & 15;
+            const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+            const float dl = d * (float)((low | high << 4) - 32);
+            int shift;
+            const uint8_t *q = cism_ggml_q2_run(raw + CISM_Q3_K_QS, j, &shift);
+            const uint8_t *h = hmask + 16 * (j % 2);
+            for (int l = 0; l < 16; l++) {
+                const int hbit = (h[l] >> (j / 2)) & 1;
+                out[l] = dl * (float)(((q[l] >> shift) & 3) - (hbit ? 0 : 4));
+            }
+        }
+    }
+}
+
+/* The six-bit scale and min of sub-block j of Q4_K and Q5_K (ggml's
+ * get_scale_min_k4): for j < 4 the low six bits of s[j] and s[j + 4]; for
+ * j >= 4 the nibbles of s[j + 4] (scale low, min high) with the top two bits
+ * of s[j - 4] and s[j] above them. */
+static inline void cism_ggml_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* Q4_K: 8 sub-blocks of 32; sub-block j takes nibble j % 2 (low first) of
+ * qs[32 * (j / 2) ...]. value = (d * sc) * q - (dmin * m). */
+static void cism_ggml_q4_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q4_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q4_K_D), dmin = cism_ggml_half(raw + CISM_Q4_K_DMIN);
+        for (int j = 0; j < 8; j++, out += 32) {
+            int sc, m;
+            cism_ggml_scale_min_k4(raw + CISM_Q4_K_SCALES, j, &sc, &m);
+            const float dl = d * (float)sc, ml = dmin * (float)m;
+            const uint8_t *q = raw + CISM_Q4_K_QS + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; l++) out[l] = dl * (float)((q[l] >> shift) & 15) - ml;
+        }
+    }
+}
+
+/* Q5_K: Q4_K plus a fifth bit, bit j of qh[l] for element l of sub-block j. */
+static void cism_ggml_q5_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q5_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q5_K_D), dmin = cism_ggml_half(raw + CISM_Q5_K_DMIN);
+        const uint8_t *qh = raw + CISM_Q5_K_QH;
+        for (int j = 0; j < 8; j++, out += 32) {
+            int sc, m;
+            cism_ggml_scale_min_k4(raw + CISM_Q5_K_SCALES, j, &sc, &m);
+            const float dl = d * (float)sc, ml = dmin * (float)m;
+            const uint8_t *q = raw + CISM_Q5_K_QS + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; l++) {
+                const int code = ((q[l] >> shift) & 15) | ((qh[l] >> j) & 1) << 4;
+                out[l] = dl * (float)code - ml;
+            }
+        }
+    }
+}
+
+/* Q6_K: 16 int8 scales, one per 16 elements; codes in runs of 32. Run g
+ * (elements 32g ...) of half h = g / 4, r = g % 4, takes the low four bits
+ * from nibble r / 2 of ql[64h + 32 (r % 2) ...] and the top two from bit
+ * pair r of qh[32h ...]. value = (d * scale) * (code - 32). */
+static void cism_ggml_q6_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q6_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q6_K_D);
+        for (int g = 0; g < 8; g++, out += 32) {
+            const int h = g / 4, r = g % 4;
+            const uint8_t *ql = raw + CISM_Q6_K_QL + 64 * h + 32 * (r % 2);
+            const uint8_t *qh = raw + CISM_Q6_K_QH + 32 * h;
+            const float dl[2] = {d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g],
+                                 d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g + 1]};
+            for (int l = 0; l < 32; l++) {
+                const int code = ((ql[l] >> (4 * (r / 2))) & 15) | ((qh[l] >> (2 * r)) & 3) << 4;
+                out[l] = dl[l / 16] * (float)(code - 32);
+            }
+        }
+    }
+}
+
+/* IQ4_XS: 8 sub-blocks of 32, each an IQ4_NL block without its own d:
+ * nibble bytes qs[16j ...] (element l low, l + 16 high). Six-bit scales
+ * biased by 32: low four bits in nibble j % 2 of scales_l[j / 2], top two in
+ * bit pair j of the little-endian u16 scales_h. value = (d * (ls - 32)) * level. */
+static void cism_ggml_iq4_xs(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_IQ4_XS_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_IQ4_XS_D);
+        const unsigned scales_h = raw[CISM_IQ4_XS_SCALES_H] | raw[CISM_IQ4_XS_SCALES_H + 1] << 8;
+        for (int j = 0; j < 8; j++, out += 32) {
+            const int low = (raw[CISM_IQ4_XS_SCALES_L + j / 2] >> (4 * (j % 2))) & 15;
+            const int high = (scales_h >> (2 * j)) & 3;
+            const float dl = d * (float)((low | high << 4) - 32);
+            const uint8_t *qs = raw + CISM_IQ4_XS_QS + 16 * j;
+            for (int l = 0; l < 16; l++) {
+                out[l] = dl * (float)cism_ggml_iq4_levels[qs[l] & 15];
+                out[l + 16] = dl * (float)cism_ggml_iq4_levels[qs[l] >> 4];
+            }
+        }
+    }
+}
+
 /* Decode `count` elements (whole blocks) of type `type` from raw into out.
  * Returns 0, or -1 for a type this file does not decode. */
 static inline int cism_ggml_decode(int type, const uint8_t *raw, size_t count, float *out) {
-    size_t i, b;
-    int j;
+    size_t i;
     switch (type) {
     case CISM_GGML_F32:
-        for (i = 0; i < count; i++) {
-            uint32_t u = (uint32_t)raw[4 * i] | (uint32_t)raw[4 * i + 1] << 8 |
-                         (uint32_t)raw[4 * i + 2] << 16 | (uint32_t)raw[4 * i + 3] << 24;
-            out[i] = cism_bits_to_f32(u);
-        }
+        for (i = 0; i < count; i++) out[i] = cism_bits_to_f32(cism_ggml_u32(raw + 4 * i));
         return 0;
     case CISM_GGML_F16:
         for (i = 0; i < count; i++) out[i] = cism_ggml_half(raw + 2 * i);
         return 0;
-    case CISM_GGML_BF16:
+    case CISM_GGML_BF16:   /* the top half of a float32: widening is exact */
         for (i = 0; i < count; i++)
             out[i] = cism_bits_to_f32((uint32_t)(raw[2 * i] | (raw[2 * i + 1] << 8)) << 16);
         return 0;
-    case CISM_GGML_Q8_0:
-        for (b = 0; b < count / 32; b++, raw += 34, out += 32) {
-            const float d = cism_ggml_half(raw);
-            for (j = 0; j < 32; j++) out[j] = (float)(int8_t)raw[2 + j] * d;
-        }
-        return 0;
-    case CISM_GGML_Q4_0:
-        for (b = 0; b < count / 32; b++, raw += 18, out += 32) {
-            const float d = cism_ggml_half(raw);
-            for (j = 0; j < 16; j++) {
-                out[j] = ((float)(raw[2 + j] & 15) - 8.0f) * d;
-                out[j + 16] = ((float)(raw[2 + j] >> 4) - 8.0f) * d;
-            }
-        }
-        return 0;
-    case CISM_GGML_Q4_1:
-        for (b = 0; b < count / 32; b++, raw += 20, out += 32) {
-            const float d = cism_ggml_half(raw), m = cism_ggml_half(raw + 2);
-            for (j = 0; j < 16; j++) {
-                float lo = (float)(raw[4 + j] & 15) * d, hi = (float)(raw[4 + j] >> 4) * d;
-                out[j] = lo + m;
-                out[j + 16] = hi + m;
-            }
-        }
-        return 0;
+    case CISM_GGML_Q8_0: cism_ggml_q8_0(raw, count / 32, out); return 0;
+    case CISM_GGML_Q4_0: cism_ggml_q4_0(raw, count / 32, out); return 0;
+    case CISM_GGML_Q4_1: cism_ggml_q4_1(raw, count / 32, out); return 0;
+    case CISM_GGML_Q5_0: cism_ggml_q5_0(raw, count / 32, out); return 0;
+    case CISM_GGML_Q5_1: cism_ggml_q5_1(raw, count / 32, out); return 0;
+    case CISM_GGML_IQ4_NL: cism_ggml_iq4_nl(raw, count / 32, out); return 0;
+    case CISM_GGML_Q2_K: cism_ggml_q2_k(raw, count / CISM_QK_K, out); return 0;
+    case CISM_GGML_Q3_K: cism_ggml_q3_k(raw, count / CISM_QK_K, out); return 0;
+    case CISM_GGML_Q4_K: cism_ggml_q4_k(raw, count / CISM_QK_K, out); return 0;
+    case CISM_GGML_Q5_K: cism_ggml_q5_k(raw, count / CISM_QK_K, out); return 0;
+    case CISM_GGML_Q6_K: cism_ggml_q6_k(raw, count / CISM_QK_K, out); return 0;
+    case CISM_GGML_IQ4_XS: cism_ggml_iq4_xs(raw, count / CISM_QK_K, out); return 0;
     }
     return -1;
 }

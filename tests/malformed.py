@@ -165,7 +165,8 @@ GGUF_TENSORS = [
     ("blk.0.ffn_down.weight", (64, 32), 8),
     ("output_norm.weight", (32,), 0),
 ]
-_BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 30: (1, 2)}
+_BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 9: (32, 40), 12: (256, 144),
+          30: (1, 2)}
 
 
 def gguf_metadata(arch="llama", **overrides):
@@ -278,8 +279,11 @@ def gguf_cases():
                                    data)),
         ("unknown-ggml-type", gguf_bytes(meta, infos[:-1] + [tensor_info("output_norm.weight", (32,), 77,
                                                                          0)], data)),
-        ("unsupported-q5_0", with_tensors(replace_tensor("blk.0.attn_q.weight", type_id=6))),
+        # Q8_1 is a known ggml type that cism does not decode (llama.cpp uses it
+        # only for activations).
+        ("unsupported-q8_1", with_tensors(replace_tensor("blk.0.attn_q.weight", type_id=9))),
         ("row-not-whole-blocks", with_tensors(replace_tensor("blk.0.ffn_down.weight", ne=(48, 32)))),
+        ("row-not-whole-q4_k-blocks", with_tensors(replace_tensor("blk.0.attn_q.weight", type_id=12))),
         ("alignment-3", gguf_bytes(meta + [kv("general.alignment", GGUF_U32, 3)], infos, data)),
         ("alignment-0", gguf_bytes(meta + [kv("general.alignment", GGUF_U32, 0)], infos, data)),
         ("alignment-string", gguf_bytes(meta + [kv("general.alignment", GGUF_STR, "32")], infos, data)),

@@ -1,12 +1,37 @@
-"""ggml tensor types: sizes of every type (to bound-check any file) and numpy
-dequantisers for the ones cism reads.
+"""ggml tensor types: sizes of every type (to bound-check any file), the set
+cism decodes, and numpy dequantisers for the simplest of them.
 
-Block layouts (ggml-common.h; every block covers 32 consecutive elements of a row):
-  Q8_0  34 bytes: fp16 d, 32 x int8 q                value = q * d
-  Q4_0  18 bytes: fp16 d, 16 bytes of nibbles        value = (q - 8) * d
-  Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes           value = q * d + m
-In both 4-bit types byte j holds element j in its low nibble and element j + 16
-in its high nibble. Scales are little-endian IEEE half precision.
+Every decoded type is dequantised to float32 by the C decoder (csrc/ggml.h,
+which spells out the byte offsets and the order of every float operation);
+the model then packs those floats into its chosen precision. The oracle is
+gguf-py's gguf.quants.dequantize: the C decoder equals it bit for bit on every
+type (tests/test_ggml_quants.py, tests/test_loaders.py). The numpy decoders
+below (DEQUANTIZERS: F32, F16, BF16, Q8_0, Q4_0, Q4_1) are a second readable
+reference held to the same bits; for the other types the tests use gguf-py's
+own numpy decoders as the only reference.
+
+Block layouts (ggml-common.h; d, m, dmin are little-endian fp16 scales;
+"nibbles" means byte j holds element j in its low nibble and j + 16 in its
+high nibble):
+  Q8_0    34 bytes / 32: d, 32 x int8 q                value = q * d
+  Q4_0    18 bytes / 32: d, 16 bytes of nibbles        value = (q - 8) * d
+  Q4_1    20 bytes / 32: d, m, 16 bytes of nibbles     value = q * d + m
+  Q5_0    22 bytes / 32: d, u32 fifth bits, nibbles    value = (q - 16) * d
+  Q5_1    24 bytes / 32: d, m, u32 fifth bits, nibbles value = q * d + m
+  IQ4_NL  18 bytes / 32: d, nibbles indexing 16 fixed int8 levels: value = level * d
+  Q2_K    84 bytes / 256: 16 sub-blocks of 16, 4-bit scale and min each; 2-bit q;
+          d, dmin                                      value = (d*sc) * q - (dmin*m)
+  Q3_K   110 bytes / 256: 16 sub-blocks of 16, 6-bit scales; 2-bit q plus a
+          high-bit mask; d                             value = (d*(sc-32)) * q, q in [-4, 3]
+  Q4_K   144 bytes / 256: d, dmin, 8 sub-blocks of 32 with 6-bit scale and min
+          packed in 12 bytes; 4-bit q                  value = (d*sc) * q - (dmin*m)
+  Q5_K   176 bytes / 256: Q4_K plus one high bit per element
+  Q6_K   210 bytes / 256: 4 + 2 bit q, 16 int8 scales, d  value = (d*sc) * (q - 32)
+  IQ4_XS 136 bytes / 256: d, 8 sub-blocks of 32 with 6-bit scales, IQ4_NL levels
+          value = (d*(sc-32)) * level
+Every product is exact in float32 (an 11-bit fp16 significand times integers
+of at most 12 bits together), so only the final offset rounds: gguf-py,
+ggml-quants.c and csrc/ggml.h agree to the bit whatever their product order.
 """
 import numpy as np
 
@@ -25,7 +50,12 @@ GGML_TYPES = {
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+
+# The types csrc/ggml.h decodes: the types a GGUF file may hold.
+DECODED = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+           Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
 
 
 def type_name(type_id):
@@ -38,8 +68,8 @@ def _scale(blocks, at):
     return blocks[:, at:at + 2].view("<f2").astype(np.float32)
 
 
-# The numpy decoders below are the reference. The loader decodes with the C
-# version (csrc/ggml.h, equal bit for bit, tests/test_loaders.py): numpy's
+# The numpy decoders below are a reference for the types they cover. The
+# loader decodes with the C version (csrc/ggml.h, equal bit for bit): numpy's
 # ufuncs allocate their iterator buffers with the GIL released, and when the
 # OS refuses that allocation numpy 2.4 raises MemoryError without a thread
 # state and the process dies with SIGSEGV (found by tests/test_memory.py).
@@ -101,14 +131,15 @@ def dequantize_into(type_id, raw, out, threads=1):
     """Decode whole blocks: ``raw`` is a uint8 array of n blocks, ``out`` a
     contiguous float32 array of the n * block elements they hold (``threads``
     OpenMP threads: the same bits whatever the count)."""
-    if type_id not in DEQUANTIZERS:
+    if type_id not in DECODED:
         raise KeyError(type_id)
     from cism import _kernels
     _kernels.ggml_decode(type_id, raw, out, threads)
 
 
 def dequantize_into_reference(type_id, raw, out):
-    """dequantize_into with the numpy reference decoders."""
+    """dequantize_into with the numpy reference decoders (the types in
+    DEQUANTIZERS only)."""
     _, block, block_bytes = GGML_TYPES[type_id]
     decode = DEQUANTIZERS[type_id]
     step = _STEP_ELEMENTS // block

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp): header parsed here, tensors dequantised with numpy.
+"""GGUF files (llama.cpp): header parsed here, tensors dequantised to float32 in C.
 
 The header is read by our own bounds-checked parser instead of gguf-py's
 GGUFReader: GGUFReader builds numpy views for every element of the token and
@@ -396,7 +396,7 @@ def load_gguf(path, threads=None):
     """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
 
     ``threads`` (None = the process default) only changes the speed: every
-    element is decoded by the same elementwise numpy expression.
+    element is decoded by the same block-local C expression (csrc/ggml.h).
     """
     from .._threads import resolve_threads
     path = os.fspath(path)
@@ -413,8 +413,8 @@ def load_gguf(path, threads=None):
         if target in targets:
             raise CheckpointError(path, f"maps to {target!r} like another tensor", info.name)
         targets.add(target)
-        if info.type_id not in ggml_types.DEQUANTIZERS:
-            supported = ", ".join(ggml_types.type_name(t) for t in ggml_types.DEQUANTIZERS)
+        if info.type_id not in ggml_types.DECODED:
+            supported = ", ".join(ggml_types.type_name(t) for t in ggml_types.DECODED)
             raise CheckpointError(path, f"type {ggml_types.type_name(info.type_id)} is not supported "
                                   f"({supported})", info.name)
         plan.append((info, target))
