@@ -470,6 +470,43 @@ def test_rotary_conversion_preserves_attention_scores():
     assert np.array_equal(llama_cpp_permute(hq, heads), wq)
 
 
+def test_gguf_qwen2_biases_rope_freqs_and_linear_scaling(tmp_path):
+    """Qwen2 files carry q/k/v biases (blk.N.attn_q.bias ...) and no
+    permutation; Llama 3's rope scaling arrives as the rope_freqs tensor, a
+    divisor per rotary frequency (config rope_freq_factors); linear scaling
+    as metadata. Each loads into the model with the matching Config."""
+    from cism.dense import Config, Model
+    V = gguf.GGUFValueType
+    rng = np.random.default_rng(8)
+    hf = dense_tensors(rng, hidden=64, ffn=96, heads=4, kv_heads=2, head_dim=16, vocab=30, head=True)
+    for part, width in (("q", 64), ("k", 32), ("v", 32)):
+        hf[f"model.layers.0.self_attn.{part}_proj.bias"] = rng.standard_normal(width).astype(np.float32)
+    tensors = {(gguf_name(k) if not k.endswith(".bias") else
+                f"blk.0.attn_{k.split('.')[-2][0]}.bias"): (v, Q.F32) for k, v in hf.items()}
+    path = write_gguf(tmp_path / "q.gguf", "qwen2", gguf_meta("qwen2", theta=1e6), tensors)
+    ck = load_gguf(path)
+    assert ck.config["model_type"] == "qwen2" and ck.config["architectures"] == ["Qwen2ForCausalLM"]
+    assert set(ck.weights) == set(hf) and all(same_bits(ck.weights[k], hf[k]) for k in hf)
+    assert Config.from_hf(ck.config).qkv_bias
+
+    hf = {k: v for k, v in hf.items() if not k.endswith(".bias")}
+    plain = {gguf_name(k): (v, Q.F32) for k, v in hf.items()}
+    factors = np.array([1, 1, 1.5, 2.5, 4, 8, 8, 8], np.float32)
+    path = write_gguf(tmp_path / "l3.gguf", "llama", gguf_meta("llama"), {**plain, "rope_freqs.weight": (factors, Q.F32)})
+    config = read_config(path)
+    assert config["rope_freq_factors"] == factors.tolist() and "rope_freqs.weight" not in load_gguf(path).weights
+    assert Config.from_hf(config).rope_scaling == ("factors", *factors.tolist())
+    path = write_gguf(tmp_path / "lin.gguf", "llama",
+                      gguf_meta("llama", extra=[("llama.rope.scaling.type", "linear", V.STRING),
+                                                ("llama.rope.scaling.factor", 4.0, V.FLOAT32)]), plain)
+    assert Config.from_hf(read_config(path)).rope_scaling == ("linear", 4.0)
+    # linear by 4 is the factors (4, 4, ...): the same rotary tables, the same logits
+    lin = Model.from_pretrained(path)
+    same = Config.from_hf({**read_config(path), "rope_scaling": None, "rope_freq_factors": [4.0] * 8})
+    weights = load_gguf(path).weights
+    assert np.array_equal(lin.logits([1, 2, 3, 4, 5]), Model(same, weights).logits([1, 2, 3, 4, 5]))
+
+
 def test_gguf_config_mapping_and_defaults(tmp_path):
     V = gguf.GGUFValueType
     rng = np.random.default_rng(7)

@@ -30,7 +30,7 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4            # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 4     # nested arrays deeper than this appear in no real file
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 # value type -> (struct format, size) for the fixed-size scalars
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
@@ -323,17 +323,26 @@ def _config(path, meta, infos):
     if experts:
         raise CheckpointError(path, f"is a mixture of {experts} experts; not supported")
 
-    # cism implements plain RoPE only. Linear scaling by 1 is plain RoPE; a
-    # factor of 0 is how llama.cpp writes "unset".
+    # Linear scaling by 1 is plain RoPE; a factor of 0 is how llama.cpp
+    # writes "unset". Llama 3's scaling comes as the rope_freqs tensor: one
+    # divisor per rotary frequency (convert_hf_to_gguf.py computes them).
     scaling = m.get("rope.scaling.type", "str", default="none")
     factor = m.get("rope.scaling.factor", "float", default=0.0)
-    if scaling not in ("none", "linear") or factor not in (0.0, 1.0):
-        raise CheckpointError(path, f"uses rope scaling (type {scaling!r}, factor {factor}); "
-                              "cism implements plain RoPE only")
+    if scaling not in ("none", "linear"):
+        raise CheckpointError(path, f"uses rope scaling type {scaling!r} (factor {factor}); cism implements "
+                              "plain, linear and Llama 3 (rope_freqs) RoPE")
+    rope_scaling = None
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        if not (math.isfinite(factor) and factor > 0):
+            raise CheckpointError(path, f"metadata rope.scaling.factor is {factor}, expected a positive number")
+        rope_scaling = {"rope_type": "linear", "factor": factor}
     names = {t.name for t in infos}
-    if "rope_freqs.weight" in names:
-        raise CheckpointError(path, "carries rope_freqs.weight (Llama 3 rope scaling); "
-                              "cism implements plain RoPE only")
+    freqs = next((t for t in infos if t.name == "rope_freqs.weight"), None)
+    factors = None
+    if freqs is not None:
+        if rope_scaling:
+            raise CheckpointError(path, "has both rope_freqs.weight and linear rope scaling")
+        factors = _rope_factors(path, freqs, head_dim)
 
     vocab = m.get("vocab_size", "int")
     if vocab is None:
@@ -348,7 +357,7 @@ def _config(path, meta, infos):
 
     config = {
         "model_type": arch,
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
         "hidden_size": hidden,
         "intermediate_size": m.get("feed_forward_length", "int", required=True),
         "num_hidden_layers": m.get("block_count", "int", required=True),
@@ -359,15 +368,32 @@ def _config(path, meta, infos):
         "max_position_embeddings": m.get("context_length", "int", required=True),
         "rms_norm_eps": m.get("attention.layer_norm_rms_epsilon", "float", required=True),
         "rope_theta": m.get("rope.freq_base", "float", default=10000.0),
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
     }
+    if factors is not None:
+        config["rope_freq_factors"] = factors
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int) and not isinstance(value, bool):
             config[key] = value
     return config
+
+
+def _rope_factors(path, info, head_dim):
+    """The rope_freqs tensor's values (F32: head_dim / 2 of them), read
+    with the header's bounds: they belong to the config, not the weights."""
+    if info.type_id != ggml_types.F32 or info.shape != (head_dim // 2,):
+        raise CheckpointError(path, f"is {ggml_types.type_name(info.type_id)} of shape {info.shape}; "
+                              f"expected F32 of ({head_dim // 2},)", info.name)
+    raw = np.empty(info.nbytes, np.uint8)
+    with open_file(path) as f:
+        read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
+    values = raw.view("<f4").astype(np.float64)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise CheckpointError(path, "holds factors that are not finite and positive", info.name)
+    return values.tolist()
 
 
 # --- tensors ------------------------------------------------------------------------
@@ -380,16 +406,17 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                 "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_LAYER_RE = re.compile(r"blk\.(0|[1-9][0-9]{0,5})\.([a-z_]+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(0|[1-9][0-9]{0,5})\.([a-z_]+)\.(weight|bias)")
+_BIASES = ("attn_q", "attn_k", "attn_v")      # Qwen2's
 
 
 def hf_name(path, name):
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen3 models", name)
+    if match and match.group(2) in _LAYER_NAMES and (match.group(3) == "weight" or match.group(2) in _BIASES):
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen2/qwen3 models", name)
 
 
 def load_gguf(path, threads=None):
@@ -409,6 +436,8 @@ def load_gguf(path, threads=None):
     plan = []
     targets = set()
     for info in infos:
+        if info.name == "rope_freqs.weight":    # read into the config by _config
+            continue
         target = hf_name(path, info.name)
         if target in targets:
             raise CheckpointError(path, f"maps to {target!r} like another tensor", info.name)
