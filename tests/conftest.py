@@ -1,5 +1,6 @@
-"""Shared test fixtures: where the offline data lives, the SmolLM2 GGUF, and
-the ISA levels this machine can run."""
+"""Shared test fixtures: where the offline data lives, the SmolLM2 GGUF,
+llama.cpp's Llama 3 and Qwen2 vocab files, and the ISA levels this machine
+can run."""
 import importlib.util
 import os
 from pathlib import Path
@@ -38,6 +39,15 @@ def data_dir():
     if DATA is None:
         pytest.skip("shared test data not found (set CISM_DATA to the shared/data folder)")
     return DATA
+
+
+@pytest.fixture(scope="session")
+def llamacpp_models():
+    """llama.cpp's models/ folder with the Llama 3 and Qwen2 vocab GGUFs and
+    their test vectors, from the llama-cpp-python sdist (downloaded once into
+    ~/.cache/cism-tests; see llamacpp_sdist.py)."""
+    import llamacpp_sdist
+    return llamacpp_sdist.models_dir()
 
 
 @pytest.fixture(scope="session")
