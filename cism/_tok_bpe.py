@@ -45,8 +45,9 @@ _QWEN2 = PreTokenizer([QWEN2_RE])
 _LLAMA3 = PreTokenizer([LLAMA3_RE], ignore_merges=True, add_bos=True)
 
 # tokenizer.ggml.pre -> pre-tokenizer (llama.cpp's llama_vocab::impl::load).
-# Only gpt-2, smollm and qwen2 are checked against reference ids in the tests;
-# the others are transcribed from llama.cpp and untested here.
+# gpt-2, smollm, qwen2 and llama-bpe (Llama 3) are checked against reference ids
+# in the tests (llama.cpp's vectors, HF tokenizers); the others are transcribed
+# from llama.cpp and untested here.
 PRE_TOKENIZERS = {
     "default": _DEFAULT,
     "gpt-2": _GPT2, "gpt2": _GPT2, "phi-2": _GPT2, "roberta-bpe": _GPT2, "mpt": _GPT2,
