@@ -120,7 +120,11 @@ def cmd_generate(args):
 
 # -------------------------------------------------------------- perplexity ---
 
-def read_text(path):
+def read_text(path, normalize_newlines=False):
+    """The text of `path` as llama.cpp's `-f` reads it: the bytes as they are
+    (a CRLF file keeps its CRs, which tokenize differently) less one final
+    "\n". `normalize_newlines` turns CRLF into LF first, which is what
+    llama.cpp gives on an LF copy of the file."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -130,7 +134,9 @@ def read_text(path):
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CliError(f"{path} is not UTF-8 text (byte {e.start})") from None
-    return text.replace("\r\n", "\n")
+    if normalize_newlines:
+        text = text.replace("\r\n", "\n")
+    return text[:-1] if text.endswith("\n") else text
 
 
 def log_softmax(z):
@@ -158,11 +164,12 @@ class Progress:
 
 
 def cmd_perplexity(args):
-    """llama.cpp's protocol: non-overlapping windows of ctx tokens, BOS first
-    when the model uses it, only the second half of each window scored."""
+    """llama.cpp's protocol: the file's text (read_text), non-overlapping
+    windows of ctx tokens, BOS first when the model uses it, only the second
+    half of each window scored."""
     if args.ctx < 8:
         raise CliError("--ctx must be at least 8")
-    text = read_text(args.file)
+    text = read_text(args.file, args.normalize_newlines)
     model = load_model(args)
     tok = model.tokenizer
     if tok is None:
@@ -215,6 +222,7 @@ def cmd_perplexity(args):
               "act_precision": model.act_precision,
               "prefill_precision": getattr(model, "prefill_precision", "exact"),
               "kv_precision": getattr(model, "kv_precision", "fp32"),
+              "normalize_newlines": args.normalize_newlines, "text_tokens": len(ids),
               "ctx": args.ctx, "chunks": n_chunks,
               "tokens_scored": int(len(nll)), "ppl": ppl, "ppl_error": ppl * sem,
               "mean_nll": mean}
@@ -364,6 +372,9 @@ def parser():
     p.add_argument("--chunks", type=int, default=0, help="score at most this many windows")
     p.add_argument("--kl-base", help="saved fp32 log-probabilities (.npy) to compare against")
     p.add_argument("--save-kl-base", help="save this run's log-probabilities (.npy, float16)")
+    p.add_argument("--normalize-newlines", action="store_true",
+                   help="turn CRLF into LF before tokenizing (by default the file's bytes are "
+                        "used as llama-perplexity reads them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_perplexity)
 
