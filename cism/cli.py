@@ -164,9 +164,12 @@ class Progress:
 
 
 def cmd_perplexity(args):
-    """llama.cpp's protocol: the file's text (read_text), non-overlapping
-    windows of ctx tokens, BOS first when the model uses it, only the second
-    half of each window scored."""
+    """llama-perplexity's protocol: the file's text (read_text) tokenized
+    once, with BOS in front when the model adds one and special-token text
+    left as text (llama.cpp's common_tokenize with add_special, without
+    parse_special); non-overlapping windows of ctx tokens of that sequence,
+    each starting with BOS in place of its first token when the model adds
+    one; only the second half of each window scored."""
     if args.ctx < 8:
         raise CliError("--ctx must be at least 8")
     text = read_text(args.file, args.normalize_newlines)
@@ -174,8 +177,8 @@ def cmd_perplexity(args):
     tok = model.tokenizer
     if tok is None:
         raise CliError("the model has no tokenizer next to it; perplexity needs one")
-    ids = tok.encode(text, add_bos=False)
     add_bos = tok.add_bos and tok.bos_id is not None
+    ids = tok.encode(text, add_bos=add_bos, parse_special=False)
     n_chunks = len(ids) // args.ctx
     if args.chunks:
         n_chunks = min(n_chunks, args.chunks)

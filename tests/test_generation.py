@@ -94,8 +94,11 @@ def test_cli_perplexity_equals_nll(stories, data_dir, tmp_path, capsys, model):
                            capsys=capsys)
     assert code == 0
     r = json.loads(out)
-    # the protocol by hand: windows of 64, BOS first, the second half scored
-    ids = model.tokenizer.encode(text, add_bos=False)
+    # llama-perplexity's protocol by hand: the text less its final newline,
+    # tokenized with BOS in front; windows of 64 of that, each with BOS as
+    # its first token; the second half scored
+    read = text[:-1] if text.endswith("\n") else text
+    ids = [1] + model.tokenizer.encode(read, add_bos=False, parse_special=False)
     nlls = []
     for c in range(len(ids) // 64):
         w = [1] + ids[c * 64 + 1:(c + 1) * 64]

@@ -56,3 +56,20 @@ def test_crlf_is_kept_by_default(stories, data_dir, tmp_path, capsys):
         assert normalised[key] == plain[key], key
     # and changes nothing on a file without CRs
     assert _ppl(lf, stories, capsys, "--normalize-newlines")["ppl"] == plain["ppl"]
+
+
+def test_tokens_as_llama_perplexity(stories, tmp_path, capsys):
+    """BOS in front of the whole text (the first window is BOS and the
+    text's first 63 tokens), and special-token text such as "<s>" stays text,
+    as llama.cpp's common_tokenize(add_special=true, parse_special=false)."""
+    import cism
+
+    tok = cism.load(stories).tokenizer
+    assert tok.add_bos and tok.bos_id == 1
+    text = "Once upon a time <s> there was a cat.</s>\n" * 40
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    ids = [1] + tok.encode(text[:-1], add_bos=False, parse_special=False)
+    assert 1 not in ids[1:] and 2 not in ids
+    r = _ppl(f, stories, capsys)
+    assert r["text_tokens"] == len(ids) and r["chunks"] == len(ids) // 64
