@@ -38,7 +38,8 @@ from cism._common import FINISH_NAMES
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int, rope_divisors
 from cism._threads import resolve_threads
-from cism._weights import PRECISIONS, check_kv_precision, check_precisions, check_weights, rope_tables
+from cism._weights import (PRECISIONS, as_float, check_kv_precision, check_precisions, check_storages,
+                           check_weights, rope_tables)
 from cism.sampling import check_seed
 
 cnp.import_array()
@@ -103,13 +104,19 @@ cdef class DenseModel(WeightStore):
         memset(&self.c, 0, sizeof(ModelC))
 
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
-                 prefill_precision="exact", kv_precision="fp32"):
+                 prefill_precision="exact", kv_precision="fp32", storages=None):
         cls_config = getattr(type(self), "config_class", None)
         if cls_config is None:
             from cism.dense import Config as cls_config
         if not isinstance(config, cls_config):
             raise ValueError(f"config must be a cism.dense.Config, got {type(config).__name__}")
-        protected, mlp = check_precisions(precision, act_precision)
+        # "auto": each matrix in the storage `storages` names (the loader's
+        # choice per GGUF tensor), fp32 for any it does not name
+        protected, mlp = check_precisions("fp32" if precision in ("auto", "native") else precision,
+                                          act_precision)
+        if precision == "native":
+            precision = "auto"
+        self.storages_ = check_storages(storages, precision)
         check_prefill_precision(prefill_precision)
         check_kv_precision(kv_precision)
         from cism.dense import weight_shapes
@@ -122,7 +129,8 @@ cdef class DenseModel(WeightStore):
         shapes = weight_shapes(config, has_head)
         arrays = check_weights(weights, shapes)
         if config.tied and has_head:
-            if not np.array_equal(arrays["lm_head.weight"], arrays["model.embed_tokens.weight"]):
+            if not np.array_equal(as_float(arrays["lm_head.weight"]),
+                                  as_float(arrays["model.embed_tokens.weight"])):
                 raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
 
         c = config
@@ -185,7 +193,8 @@ cdef class DenseModel(WeightStore):
         self.set_prefill_precision(prefill_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
+        cdef Matrix m = self.add_any_matrix(name, arrays[name], self.storages_.get(name, storage),
+                                            self.c.threads)
         return &m.mat
 
     cdef const float* _norm(self, name, dict arrays) except NULL:

@@ -14,13 +14,17 @@ cdef class WeightStore:
     cdef public object source  # the Checkpoint a model was loaded from, if any
     cdef list keep            # Matrix objects and norm/vector arrays the C pointers point into
     cdef dict matrices        # HF name -> Matrix
+    cdef dict storages_       # precision "auto": HF name -> the storage the loader chose
     cdef size_t weight_bytes_
     cdef bint pages_locked_
     cdef object lock_         # guards page locking (and, in subclasses, shared state)
     cdef uint64_t sink_
     cdef int scan_threads     # threads scan() uses
     cdef object add_matrix(self, name, values, storage, int threads)
+    cdef object add_any_matrix(self, name, value, storage, int threads)
     cdef object add_vector(self, name, values)
+    # a GGUF tensor's Q4_K / Q6_K blocks kept as they are (Matrix.from_ggml)
+    cdef object add_ggml_matrix(self, name, type_id, raw, rows, cols, int threads)
     # copy act_q8_ into the family's C model struct (called by set_act_precision)
     cdef void apply_act_precision(self)
     cdef object update_key(self)

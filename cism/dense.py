@@ -179,12 +179,17 @@ class Model(GenerationMixin, DenseModel):
     text generation (generate/stream) with the checkpoint's tokenizer."""
 
     config_class = Config
+    takes_ggml_tensors = True    # GGUF matrices arrive encoded (packed natively or decoded one by one)
 
     @classmethod
-    def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32",
+    def from_pretrained(cls, path, precision="auto", threads=None, act_precision="fp32",
                         prefill_precision="exact", kv_precision="fp32"):
         """Load an HF directory (config.json + safetensors), a GGUF file or a
-        llama2.c .bin checkpoint."""
+        llama2.c .bin checkpoint. precision "auto" (or "native"): a GGUF
+        keeps each tensor in its file encoding where cism has a native
+        storage (Q4_K, Q6_K) and otherwise takes the nearest storage that
+        keeps its quality (cism.loaders.ggml_types.AUTO); other checkpoints
+        load at fp32."""
         from cism.loaders import build_pretrained
         from cism._dense import check_kv_precision, check_prefill_precision
         check_prefill_precision(prefill_precision)   # before the checkpoint is read

@@ -130,7 +130,7 @@ class Model(GenerationMixin, FwkvModel):
     config_class = Config
 
     @classmethod
-    def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32"):
+    def from_pretrained(cls, path, precision="auto", threads=None, act_precision="fp32"):
         """Load an FWKV directory: config.json plus safetensors (one file or
         sharded with model.safetensors.index.json; fp32/fp16/bf16 tensors)."""
         from cism.loaders import build_pretrained

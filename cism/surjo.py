@@ -312,7 +312,7 @@ class Model(GenerationMixin, SurjoModel):
     config_class = Config
 
     @classmethod
-    def from_pretrained(cls, path, precision="fp32", threads=None, act_precision="fp32", kv_precision="fp32"):
+    def from_pretrained(cls, path, precision="auto", threads=None, act_precision="fp32", kv_precision="fp32"):
         """Load a Hugging Face-style directory: config.json and safetensors weights
         (one file or shards with model.safetensors.index.json; bf16/fp16/fp32)."""
         from cism._weights import check_kv_precision

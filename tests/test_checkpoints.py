@@ -53,7 +53,7 @@ def test_smollm2_loads(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return cism.load(smollm2_gguf), cism.Tokenizer.from_pretrained(smollm2_gguf)
+    return cism.load(smollm2_gguf, precision="fp32"), cism.Tokenizer.from_pretrained(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

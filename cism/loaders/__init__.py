@@ -38,17 +38,18 @@ def _kind(path):
     return "llama2c"         # the legacy format has no magic: its header and size are checked
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, keep_quantized=False):
     """Load any supported checkpoint: a directory is a Hugging Face model, a file
     starting with "GGUF" (or named *.gguf) is GGUF, anything else must be a
-    llama2.c .bin whose header matches its size exactly."""
+    llama2.c .bin whose header matches its size exactly. ``keep_quantized``:
+    a GGUF's quantised matrices stay encoded (load_gguf)."""
     path = os.fspath(path)
     with memory_for(path, "loading the checkpoint"):
         kind = _kind(path)
         if kind == "hf":
             return load_hf_dir(path)
         if kind == "gguf":
-            return load_gguf(path)
+            return load_gguf(path, keep_quantized=keep_quantized)
         return load_llama2c(path)
 
 
@@ -56,11 +57,23 @@ def build_pretrained(model_class, path, precision, threads, act_precision, **opt
     """Load a checkpoint and build a model_class from it (every family's
     Model.from_pretrained; options go to the model's constructor): the
     checkpoint's float32 arrays are released once the packed matrices hold
-    the weights."""
+    the weights. A GGUF's quantised matrices are decoded one at a time as
+    they are packed (or packed natively), never all at once.
+
+    precision "auto" (or its synonym "native"): each GGUF tensor keeps its
+    file encoding where cism has a native storage for it, and otherwise
+    takes the storage ggml_types.auto_storage names; any other checkpoint
+    loads at fp32."""
     path = os.fspath(path)
-    with memory_for(path, "loading the checkpoint"):   # the steps between the named ones
-        ckpt = load_checkpoint(path)
+    with memory_for(path, "loading the checkpoint"):
+        ckpt = load_checkpoint(path, keep_quantized=getattr(model_class, "takes_ggml_tensors", False))
         config = model_class.config_class.from_hf(ckpt.config)
+        if precision in ("auto", "native"):
+            if ckpt.types and getattr(model_class, "takes_ggml_tensors", False):
+                from .ggml_types import auto_storages
+                options["storages"] = auto_storages(ckpt.types)
+            else:
+                precision = "fp32"
         with memory_for(path, f"packing the weights at {precision}"):
             model = model_class(config, ckpt.weights, precision=precision, threads=threads,
                                 act_precision=act_precision, **options)

@@ -31,9 +31,11 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: dict            # HF config.json-style, always with "model_type"
     weights: dict           # HF tensor name -> float32 C-contiguous ndarray, HF shape
+                            # (or a ggml_types.GgmlTensor: a GGUF load that keeps encodings)
     path: str               # the directory or file that was loaded
     format: str             # "hf" | "gguf" | "llama2c"
     tokenizer: dict | None  # {"kind": "hf_dir"|"gguf"|"llama2c", "path": ...} or None
+    types: dict | None = None   # GGUF: HF tensor name -> the file's ggml type name
 
 
 def file_size(path):

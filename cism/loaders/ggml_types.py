@@ -146,3 +146,60 @@ def dequantize_into_reference(type_id, raw, out):
     with np.errstate(all="ignore"):  # inf/NaN scales are the model's problem, not a warning
         for b in range(0, len(raw) // block_bytes, step):
             decode(raw[b * block_bytes:(b + step) * block_bytes], out[b * block:(b + step) * block])
+
+
+class GgmlTensor:
+    """A 2-D GGUF tensor kept in its file encoding: ``raw`` holds ``rows``
+    rows of whole blocks (uint8, (rows, row_bytes)). The model packs it
+    natively (Q4_K, Q6_K) or decodes it, one tensor at a time, into the
+    storage it asked for, so a quantised file never exists as float32 whole."""
+
+    def __init__(self, type_id, raw, shape):
+        self.type_id = type_id
+        self.raw = raw
+        self.shape = tuple(shape)
+
+    @property
+    def type_name(self):
+        return type_name(self.type_id)
+
+    @property
+    def nbytes(self):
+        return self.raw.nbytes
+
+    def dequantize(self, threads=1):
+        """float32 (rows, cols), bit-identical to gguf-py's dequantisation."""
+        out = np.empty(self.shape, np.float32)
+        dequantize_into(self.type_id, self.raw.reshape(-1), out.reshape(-1), threads)
+        return out
+
+    def __repr__(self):
+        return f"GgmlTensor({self.type_name}, shape={self.shape})"
+
+
+# precision "auto": the storage a tensor of each type gets. Its own encoding
+# where cism has a native storage (NATIVE, when the matrix module has it);
+# else the nearest cism storage that loses nothing that matters: int8 for
+# every type of 8 or fewer bits (its per-row grid rounds a 2-6 bit source
+# far below the source's own error: on SmolLM2's Q4_1 file, KL 0.006 from
+# exact, where a 4-bit storage re-rounds at full 4-bit size, KL 0.27); fp16
+# for Q8_0 (8.5 bits with its scales) and F16; fp32 for F32 and BF16 (fp16
+# lacks its range).
+NATIVE = {Q4_K: "q4_k", Q6_K: "q6_k"}
+AUTO = {F32: "fp32", F16: "fp16", BF16: "fp32", Q8_0: "fp16",
+        **{t: "int8" for t in (Q6_K, Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1, IQ4_NL, IQ4_XS, Q3_K, Q2_K)}}
+
+
+def native_storages():
+    """type id -> cism storage name, for the native storages this build has."""
+    from cism import matrix
+    have = set(getattr(matrix, "STORAGES", ()))
+    return {t: name for t, name in NATIVE.items() if name in have}
+
+
+def auto_storages(types):
+    """HF tensor name -> cism storage for precision "auto", from the
+    checkpoint's name -> ggml type name map."""
+    ids = {type_name(t): t for t in GGML_TYPES}
+    native = native_storages()
+    return {name: native.get(ids[t], AUTO.get(ids[t], "fp32")) for name, t in types.items()}

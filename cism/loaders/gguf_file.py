@@ -398,6 +398,8 @@ def _rope_factors(path, info, head_dim):
 
 # --- tensors ------------------------------------------------------------------------
 
+_FLOAT_TYPES = (ggml_types.F32, ggml_types.F16, ggml_types.BF16)
+
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -419,8 +421,13 @@ def hf_name(path, name):
     raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen2/qwen3 models", name)
 
 
-def load_gguf(path, threads=None):
+def load_gguf(path, threads=None, keep_quantized=False):
     """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
+
+    ``keep_quantized``: every 2-D tensor of a quantised type stays in its
+    file encoding instead, as a ggml_types.GgmlTensor (llama's q/k rows
+    reordered all the same: ggml blocks never cross rows), for the model to
+    pack natively or decode tensor by tensor.
 
     ``threads`` (None = the process default) only changes the speed: every
     element is decoded by the same block-local C expression (csrc/ggml.h).
@@ -477,6 +484,12 @@ def load_gguf(path, threads=None):
             with memory_for(path, f"loading tensor {info.name!r} ({info.nbytes} bytes)"):
                 raw = np.empty(info.nbytes, np.uint8)
             read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
+            if keep_quantized and info.type_id not in _FLOAT_TYPES and len(info.shape) == 2:
+                raw = raw.reshape(info.shape[0], -1)
+                if target in heads_of:
+                    raw = rotary_interleaved_to_halves(raw, heads_of[target])
+                weights[target] = ggml_types.GgmlTensor(info.type_id, raw, info.shape)
+                continue
             size = math.prod(info.shape)
             with memory_for(path, f"loading tensor {info.name!r} ({4 * size} bytes as float32)"):
                 out = np.empty(info.shape, np.float32)
@@ -488,7 +501,8 @@ def load_gguf(path, threads=None):
             weights[target] = out
     weights = {target: weights[target] for _, target in plan}   # the file's order
     return Checkpoint(config=config, weights=weights, path=path, format="gguf",
-                      tokenizer=_tokenizer(path, meta))
+                      tokenizer=_tokenizer(path, meta),
+                      types={target: ggml_types.type_name(info.type_id) for info, target in plan})
 
 
 def _tokenizer(path, meta):
