@@ -1,4 +1,5 @@
-"""llama.cpp's tokenizer conformance files, taken from the llama-cpp-python sdist.
+"""llama.cpp's tokenizer conformance files and its HF -> GGUF converter,
+taken from the llama-cpp-python sdist.
 
 llama.cpp ships vocab-only GGUFs with test vectors in its models/ folder
 (`ggml-vocab-NAME.gguf`, `.gguf.inp`, `.gguf.out`). The Llama 3 ("llama-bpe")
@@ -13,6 +14,9 @@ llama-cpp-python source distribution on PyPI, which CI can reach.
    extraction of just those files into ~/.cache/cism-tests/.
 A failed download fails the test with pip's message; with $CISM_OFFLINE=1 the
 tests are skipped instead (a silent skip would hide a broken CI).
+
+`converter_dir()` does the same for llama.cpp's root folder with
+convert_hf_to_gguf.py, its conversion/ package and the gguf-py it imports.
 """
 import hashlib
 import os
@@ -86,35 +90,63 @@ def _download(dest):
     return path
 
 
-def _extract(archive, models):
-    """Copy only FILES out of the archive; each is written under a temporary
-    name and renamed, so an interrupted run leaves no half file behind."""
-    wanted = {f"{SDIST}/{MODELS}/{f}": f for f in FILES}
-    models.mkdir(parents=True, exist_ok=True)
+def _extract(archive, wanted, dest):
+    """Copy the members `wanted` names (paths under the sdist's top folder,
+    or folder prefixes ending in "/") into `dest`; each file is written
+    under a temporary name and renamed, so an interrupted run leaves no half
+    file behind."""
+    files = {w for w in wanted if not w.endswith("/")}
+    folders = tuple(w for w in wanted if w.endswith("/"))
     with tarfile.open(archive, "r:gz") as tf:
         for member in tf:
-            name = wanted.pop(member.name, None)
-            if name is None or not member.isfile():
+            rel = member.name[len(SDIST) + 1:] if member.name.startswith(SDIST + "/") else None
+            if rel is None or not member.isfile() or not (rel in files or rel.startswith(folders)):
                 continue
-            tmp = models / (name + ".part")
+            if ".." in Path(rel).parts:
+                continue
+            files.discard(rel)
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".part")
             with tf.extractfile(member) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            os.replace(tmp, models / name)
-            if not wanted:
-                break
-    if wanted:
-        pytest.fail(f"{archive}: missing {sorted(wanted)}")
+            os.replace(tmp, target)
+    if files:
+        pytest.fail(f"{archive}: missing {sorted(files)}")
+
+
+def _fetch(wanted, what):
+    """Download the sdist and extract `wanted` into the cache (or skip offline)."""
+    if os.environ.get("CISM_OFFLINE") == "1":
+        pytest.skip(f"CISM_OFFLINE=1 and llama.cpp's {what} is not cached "
+                    f"(llama-cpp-python {VERSION} sdist; see tests/llamacpp_sdist.py)")
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        _extract(_download(tmp), wanted, cache_root() / SDIST)
 
 
 def models_dir():
     for models in _candidates():
         if _complete(models):
             return models
-    if os.environ.get("CISM_OFFLINE") == "1":
-        pytest.skip(f"CISM_OFFLINE=1 and llama.cpp's vocab files are not cached "
-                    f"(llama-cpp-python {VERSION} sdist; see tests/llamacpp_sdist.py)")
-    models = cache_root() / SDIST / MODELS
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-        _extract(_download(tmp), models)
-    return models
+    _fetch([f"{MODELS}/{f}" for f in FILES], "vocab files")
+    return cache_root() / SDIST / MODELS
+
+
+LLAMA_CPP = "vendor/llama.cpp"
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def converter_dir():
+    """llama.cpp's folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    cached = cache_root() / SDIST / LLAMA_CPP
+    for models in _candidates():
+        root = models.parent
+        whole = all((root / p).exists() for p in ("convert_hf_to_gguf.py", "conversion/__init__.py",
+                                                   "gguf-py/gguf/__init__.py"))
+        # our own extraction counts once it finished (its marker)
+        if whole and (root != cached or (root / ".converter-complete").exists()):
+            return root
+    _fetch([f"{LLAMA_CPP}/{c}" for c in CONVERTER], "converter")
+    (cached / ".converter-complete").touch()
+    return cached
