@@ -9,7 +9,15 @@ cdef extern from "formats.h" nogil:
         CISM_INT8
         CISM_INT4
         CISM_FP4
+        CISM_Q4K
+        CISM_Q6K
         CISM_NUM_STORAGES
+        CISM_QK_K
+        CISM_Q4_K_D
+        CISM_Q4_K_DMIN
+        CISM_Q4_K_BYTES
+        CISM_Q6_K_D
+        CISM_Q6_K_BYTES
         CISM_SLACK
         CISM_INT4_BLOCK
         CISM_FP4_BLOCK
@@ -77,10 +85,12 @@ cdef extern from "kernels.h" nogil:
     ctypedef size_t (*cism_argmax_fn)(const float *x, size_t n) noexcept nogil
 
     ctypedef struct cism_kernels:
-        cism_gemm_fn gemm[5]
+        cism_gemm_fn gemm[7]
         cism_gemm_fn gemm_int8_q8
         cism_gemm_fn gemm_int4_q8
         cism_gemm_fn gemm_fp4_q8
+        cism_gemm_fn gemm_q4k_q8
+        cism_gemm_fn gemm_q6k_q8
         cism_gemm_fn gemm_bf16
         cism_pack_bf16_fn pack_bf16
         cism_dot_fn dot

@@ -1,8 +1,9 @@
 """Packed weight matrices and their products (``cism.matrix.Matrix``).
 
 A Matrix packs a float32 (rows, cols) array into one storage (fp32, fp16,
-int8, int4, fp4; layouts in csrc/formats.h) and multiplies it with activation
-rows. Rows fan out over OpenMP threads in contiguous chunks; each row is
+int8, int4, fp4; layouts in csrc/formats.h), or keeps a GGUF tensor's Q4_K or
+Q6_K blocks as the file has them (q4_k, q6_k: ``Matrix.from_ggml``), and
+multiplies it with activation rows. Rows fan out over OpenMP threads in contiguous chunks; each row is
 computed by one thread with the arithmetic of the scalar reference, so
 results are bitwise identical for every thread count and every number of
 tokens (a gemm row equals the gemv of that token).
@@ -17,7 +18,8 @@ from libc.string cimport memcpy, memset
 from cpython.ref cimport Py_INCREF
 
 from cism._kernels cimport (
-    CISM_FP16, CISM_FP32, CISM_FP4, CISM_INT4, CISM_INT8, CISM_SLACK, cism_act, cism_act_len,
+    CISM_FP16, CISM_FP32, CISM_FP4, CISM_INT4, CISM_INT8, CISM_Q4K, CISM_Q4_K_BYTES, CISM_Q4_K_D,
+    CISM_Q4_K_DMIN, CISM_Q6K, CISM_Q6_K_BYTES, CISM_Q6_K_D, CISM_QK_K, CISM_SLACK, cism_act, cism_act_len,
     cism_bf16_len, cism_bf16_rows,
     cism_code_bytes, cism_div_up, cism_gemm_fn, cism_kernels, cism_mat, cism_row_bytes, kernel_table)
 from cism._threads import resolve_threads
@@ -32,7 +34,13 @@ cdef extern from "pack.h" nogil:
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
-STORAGES = ("fp32", "fp16", "int8", "int4", "fp4")
+STORAGES = ("fp32", "fp16", "int8", "int4", "fp4", "q4_k", "q6_k")
+# What Matrix(values, storage) packs float32 into; q4_k and q6_k come only
+# from a GGUF file's own blocks (Matrix.from_ggml).
+FLOAT_STORAGES = STORAGES[:5]
+# ggml type id -> the storage that keeps its blocks (csrc/ggml.h's ids).
+GGML_NATIVE = {12: "q4_k", 14: "q6_k"}
+GGML_NAMES = {"Q4_K": 12, "Q6_K": 14}
 MAX_ROWS = 2_000_000      # the largest vocabulary the configs accept
 MAX_COLS = 262_144        # the largest intermediate size the configs accept
 MAX_SOURCE_BYTES = 64 << 30
@@ -80,8 +88,16 @@ cdef bint bf16_ready() noexcept nogil:
     return kernel_table().gemm_bf16 != NULL
 
 
+cdef inline bint kquant_storage(const cism_mat *W) noexcept nogil:
+    return W.storage == CISM_Q4K or W.storage == CISM_Q6K
+
+
 cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, int mode) noexcept nogil:
     if mode & ACT_BF16:
+        # (the bf16 kernel has no K-quant dequantization: those matrices keep
+        # the canonical fp32-activation kernel, which pick_act hands fp32 rows)
+        if kquant_storage(W):
+            return k.gemm[W.storage]
         return k.gemm_bf16
     if mode & ACT_Q8:
         if W.storage == CISM_INT8:
@@ -90,11 +106,16 @@ cdef inline cism_gemm_fn pick_kernel(const cism_kernels *k, const cism_mat *W, i
             return k.gemm_int4_q8
         if W.storage == CISM_FP4:
             return k.gemm_fp4_q8
+        if W.storage == CISM_Q4K:
+            return k.gemm_q4k_q8
+        if W.storage == CISM_Q6K:
+            return k.gemm_q6k_q8
     return k.gemm[W.storage]
 
 
 cdef inline bint integer_storage(const cism_mat *W) noexcept nogil:
-    return W.storage == CISM_INT8 or W.storage == CISM_INT4 or W.storage == CISM_FP4
+    return (W.storage == CISM_INT8 or W.storage == CISM_INT4 or W.storage == CISM_FP4
+            or kquant_storage(W))
 
 
 cdef inline const cism_act *pick_act(const cism_mat *W, int mode, const cism_act *a32,
@@ -235,9 +256,46 @@ cdef object numpy_view(object owner, void *data, int ndim, cnp.npy_intp *shape, 
 
 
 def _storage_index(storage):
-    if not isinstance(storage, str) or storage not in STORAGES:
-        raise ValueError(f"unknown storage {storage!r}; choose one of {', '.join(STORAGES)}")
+    if isinstance(storage, str) and storage in GGML_NATIVE.values():
+        raise ValueError(f"storage {storage!r} holds a GGUF file's own blocks: build it with "
+                         "Matrix.from_ggml(type, raw, rows, cols), not from float values")
+    if not isinstance(storage, str) or storage not in FLOAT_STORAGES:
+        raise ValueError(f"unknown storage {storage!r}; choose one of {', '.join(FLOAT_STORAGES)}")
     return STORAGES.index(storage)
+
+
+def _ggml_type(type_name_or_id):
+    """A ggml type given by id (12) or name ("Q4_K", "q4_k") -> (id, storage)."""
+    t = type_name_or_id
+    if isinstance(t, str):
+        key = t.upper()
+        if key not in GGML_NAMES:
+            raise ValueError(f"ggml type {t!r} has no native storage; native types: "
+                             f"{', '.join(GGML_NAMES)} (decode others to float32 and pack them)")
+        t = GGML_NAMES[key]
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or int(t) not in GGML_NATIVE:
+        raise ValueError(f"ggml type {type_name_or_id!r} has no native storage; native types: "
+                         + ", ".join(f"{n} ({i})" for n, i in GGML_NAMES.items()))
+    return int(t), GGML_NATIVE[int(t)]
+
+
+cdef size_t ggml_nonfinite_block(int s, const uint8_t *raw, size_t blocks) noexcept nogil:
+    """The first super-block whose fp16 scale (Q4_K: d or dmin, Q6_K: d) is
+    inf or NaN, else `blocks`. With finite scales every weight is finite
+    (at most 65504 * 63 * 15 in magnitude), so this is the whole finite
+    check, read from 2-4 bytes per 256 weights."""
+    cdef size_t b
+    cdef const uint8_t *p
+    for b in range(blocks):   # (byte 1 of a little-endian fp16: sign and the 5 exponent bits)
+        if s == CISM_Q4K:
+            p = raw + b * CISM_Q4_K_BYTES
+            if (p[CISM_Q4_K_D + 1] & 0x7c) == 0x7c or (p[CISM_Q4_K_DMIN + 1] & 0x7c) == 0x7c:
+                return b
+        else:
+            p = raw + b * CISM_Q6_K_BYTES
+            if (p[CISM_Q6_K_D + 1] & 0x7c) == 0x7c:
+                return b
+    return blocks
 
 
 def _check_act_precision(value):
@@ -260,7 +318,8 @@ cdef class Matrix:
     ``Matrix(values, storage)`` packs a C-contiguous float32 ``(rows, cols)``
     array as ``fp32``, ``fp16``, ``int8``, ``int4`` or ``fp4``. Values must be
     finite (``check_finite=False`` skips the check for callers that have
-    already made it).
+    already made it). ``Matrix.from_ggml`` keeps a GGUF tensor's Q4_K or
+    Q6_K blocks as they are (storages ``q4_k``, ``q6_k``).
     """
 
     def __cinit__(self):
@@ -320,6 +379,86 @@ cdef class Matrix:
             else:
                 cism_pack_rows(s, src, C, 0, R, self.codes_buf, self.scales_buf)
 
+    @staticmethod
+    def from_ggml(type_name_or_id, raw, rows, cols, threads=None, *, check_finite=True):
+        """A ``q4_k`` or ``q6_k`` Matrix holding a GGUF tensor's own blocks.
+
+        ``type_name_or_id``: ggml's type, 12 or ``"Q4_K"``, 14 or ``"Q6_K"``
+        (other types have no native storage: decode them and pack floats).
+        ``raw``: a C-contiguous uint8 array (any shape) of exactly ``rows *
+        row_bytes`` bytes, row r being bytes ``[r * row_bytes, (r + 1) *
+        row_bytes)``: the file's super-blocks of that row, in order
+        (``row_bytes = cols / 256 * 144`` for Q4_K, ``* 210`` for Q6_K).
+        ``cols`` must be a multiple of 256. The bytes are copied (``threads``
+        share the copy) into cism's 64-byte aligned buffer, followed by
+        CISM_SLACK zero bytes like every packed matrix.
+
+        Every fp16 scale (Q4_K's d and dmin, Q6_K's d) must be finite, which
+        makes every weight finite; ``check_finite=False`` skips that check
+        (2 bytes read per 256 weights) for callers that made it.
+
+        Products: fp32 activations give the canonical dot over the decoded
+        weights (the bits of ``Matrix(m.dequantize(), "fp32")``),
+        ``act_precision = "int8"`` the K-quant x q8 rule of
+        csrc/kernels.h; ``row(i)`` and ``dequantize()`` give csrc/ggml.h's
+        decode (gguf-py's bits)."""
+        type_id, storage = _ggml_type(type_name_or_id)
+        cdef int nt = resolve_threads(threads)
+        for name, v in (("rows", rows), ("cols", cols)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows must be in [1, {MAX_ROWS}], got {rows}")
+        if not 1 <= cols <= MAX_COLS:
+            raise ValueError(f"cols must be in [1, {MAX_COLS}], got {cols}")
+        if cols % CISM_QK_K:
+            raise ValueError(f"a {storage} row holds whole 256-element super-blocks: "
+                             f"cols must be a multiple of 256, got {cols}")
+        cdef int s = STORAGES.index(storage)
+        cdef size_t R = rows, C = cols
+        cdef size_t row_bytes = cism_row_bytes(s, C)
+        cdef size_t total = R * row_bytes
+        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8:
+            raise ValueError(f"raw must be a numpy uint8 array, got "
+                             f"{type(raw).__name__ if not isinstance(raw, np.ndarray) else raw.dtype}")
+        if not raw.flags.c_contiguous:
+            raise ValueError("raw must be C-contiguous (use numpy.ascontiguousarray)")
+        if <size_t>raw.nbytes != total:
+            raise ValueError(f"raw holds {raw.nbytes} bytes; a {rows}x{cols} {type_name_or_id!r} "
+                             f"tensor is {rows} rows x {row_bytes} bytes = {total}")
+        cdef const uint8_t *src = <const uint8_t*>cnp.PyArray_DATA(raw)
+        cdef size_t per_row = C // CISM_QK_K, blocks = R * per_row, bad
+        if check_finite:
+            with nogil:
+                bad = ggml_nonfinite_block(s, src, blocks)
+            if bad != blocks:
+                raise ValueError(f"non-finite scale in super-block {bad % per_row} of row {bad // per_row}: "
+                                 "the weights would not be finite")
+        cdef Matrix m = Matrix.__new__(Matrix)
+        m.storage_name = storage
+        m.act_mode = ACT_FP32
+        m.codes_buf = alloc_zeroed(total)
+        if m.codes_buf == NULL:
+            raise MemoryError(f"cannot allocate a {rows}x{cols} {storage} matrix ({total} bytes)")
+        m.nbytes_ = total
+        m.mat.storage = s
+        m.mat.rows = R
+        m.mat.cols = C
+        m.mat.codes = m.codes_buf
+        m.mat.row_bytes = row_bytes
+        m.mat.scale_offset = 0
+        m.mat.scales = NULL
+        cdef uint8_t *dst = <uint8_t*>m.codes_buf
+        cdef size_t part = 1 << 22, nparts = cism_div_up(total, part), c, n
+        with nogil:
+            if nt > 1 and nparts > 1:
+                for c in prange(nparts, schedule='static', num_threads=nt):
+                    n = total - c * part if total - c * part < part else part
+                    memcpy(dst + c * part, src + c * part, n)
+            else:
+                memcpy(dst, src, total)
+        return m
+
     def __dealloc__(self):
         free(self.codes_buf)
         free(self.scales_buf)
@@ -360,6 +499,9 @@ cdef class Matrix:
     @act_precision.setter
     def act_precision(self, value):
         if value == "bf16":
+            if kquant_storage(&self.mat):
+                raise ValueError(f"act_precision 'bf16' is not offered for {self.storage_name} matrices "
+                                 "(their products keep the canonical kernels)")
             if not bf16_ready():
                 raise ValueError("act_precision 'bf16' needs AMX-BF16, which this CPU, its OS or "
                                  "the kernel level in use (CISM_ISA) does not offer")
@@ -411,10 +553,11 @@ cdef class Matrix:
         return out
 
     def row(self, i):
-        """Row i as float32 (fp32/fp16/int8 storages: embedding gathers)."""
+        """Row i as float32 (fp32/fp16/int8/q4_k/q6_k storages: embedding
+        gathers; q4_k and q6_k rows are csrc/ggml.h's decode)."""
         if self.mat.storage == CISM_INT4 or self.mat.storage == CISM_FP4:
-            raise ValueError(f"row() needs fp32, fp16 or int8 storage, not {self.storage_name} "
-                             "(embeddings are never stored at 4 bits)")
+            raise ValueError(f"row() needs fp32, fp16, int8, q4_k or q6_k storage, not {self.storage_name} "
+                             "(embeddings are never packed at 4 bits)")
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.mat.rows:
             raise ValueError(f"row index {i!r} is out of range [0, {self.mat.rows})")
         cdef cnp.ndarray out = np.empty(self.mat.cols, dtype=np.float32)
@@ -440,10 +583,13 @@ cdef class Matrix:
     def codes(self):
         """Read-only view of the packed codes (layout: csrc/formats.h):
         fp32 (rows, cols) float32, fp16 (rows, cols) uint16 bits, int8 (rows,
-        cols) int8, int4 (rows, blocks32, 16) bytes, fp4 (rows, blocks16*8) bytes."""
+        cols) int8, int4 (rows, blocks32, 16) bytes, fp4 (rows, blocks16*8) bytes,
+        q4_k and q6_k (rows, row_bytes): the GGUF file's bytes."""
         s = self.mat.storage
         rows, cols, rb = self.mat.rows, self.mat.cols, self.mat.row_bytes
         flat = self._row_view()
+        if s == CISM_Q4K or s == CISM_Q6K:
+            return np.ndarray((rows, rb), np.uint8, flat, 0, (rb, 1))
         if s == CISM_FP32:
             return np.ndarray((rows, cols), np.float32, flat, 0, (rb, 4))
         if s == CISM_FP16:
@@ -457,7 +603,8 @@ cdef class Matrix:
     @property
     def scales(self):
         """Read-only view of the scales: int8 (rows,) float32, int4 (rows,
-        blocks32) float32, fp4 (rows, blocks16) E4M3 bytes; None for fp32/fp16."""
+        blocks32) float32, fp4 (rows, blocks16) E4M3 bytes; None for fp32/fp16
+        and for q4_k/q6_k (their scales sit inside each super-block)."""
         cdef cnp.npy_intp shape[1]
         s = self.mat.storage
         rows, cols, rb, so = self.mat.rows, self.mat.cols, self.mat.row_bytes, self.mat.scale_offset

@@ -31,16 +31,21 @@ typedef enum {
                       a partial tail block too (missing elements keep code 0).
                       Row layout: [blocks32][16] code bytes, then [blocks32] float scales,
                       so one row is one contiguous stream. */
-    CISM_FP4 = 4   /* E2M1 nibbles, one E4M3 scale byte per 16 elements.
+    CISM_FP4 = 4,  /* E2M1 nibbles, one E4M3 scale byte per 16 elements.
                       scale byte = E4M3 nearest-even encoding of absmax/6 (subnormals kept,
                       saturating at 448), element = nearest of the 8 E2M1 magnitudes of
                       |x|/scale (ties to the smaller), sign in bit 3. Element j of a row
                       sits in byte j/2, low nibble for even j, high for odd j.
                       Row layout: [blocks16][8] code bytes (zero padded), then
                       [blocks16] scale bytes. */
+    /* ggml's K-quants, kept as the GGUF file has them (cols a multiple of 256):
+     * a row is the file's super-blocks for that row, in order, byte for byte
+     * (layouts below, "ggml K-quant super-blocks"); nothing is re-rounded. */
+    CISM_Q4K = 5,  /* block_q4_K: 144 bytes per 256 elements (4.5 bits per weight) */
+    CISM_Q6K = 6   /* block_q6_K: 210 bytes per 256 elements (6.5625 bits per weight) */
 } cism_storage;
 
-#define CISM_NUM_STORAGES 5
+#define CISM_NUM_STORAGES 7
 #define CISM_INT4_BLOCK 32
 #define CISM_INT4_BLOCK_BYTES 16
 #define CISM_FP4_BLOCK 16
@@ -51,6 +56,34 @@ _Static_assert(CISM_FP4_BLOCK % 2 == 0, "fp4 blocks hold whole bytes");
 _Static_assert(CISM_ACT_BLOCK == CISM_INT4_BLOCK, "int4 weights and activations share blocks");
 _Static_assert(CISM_ACT_BLOCK == 2 * CISM_FP4_BLOCK, "two fp4 scale blocks per activation block");
 _Static_assert(sizeof(float) == 4 && sizeof(uint16_t) == 2, "IEEE binary32/binary16 sizes");
+
+/* ---- ggml K-quant super-blocks: the q4_k and q6_k storages ----
+ * Byte offsets within one 256-element super-block (ggml-common.h's
+ * block_q4_K and block_q6_K); fp16 fields are little-endian IEEE binary16.
+ * csrc/ggml.h decodes the same blocks for the loader (cism_ggml_q4_k and
+ * cism_ggml_q6_k live here, so the loader, row() and the kernels read one
+ * definition).
+ *
+ * Q4_K: d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes of
+ *   nibbles. 8 sub-blocks of 32: sub-block j takes nibble j % 2 (low first)
+ *   of qs[32 (j / 2) + l], l < 32; its scale sc_j and min m_j (0..63) as
+ *   cism_ggml_scale_min_k4 unpacks them.   value = (d * sc_j) * q - (dmin * m_j)
+ * Q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales, d. 8 runs of 32: run g
+ *   (elements 32g ...), h = g / 4, r = g % 4, takes its low four bits from
+ *   nibble r / 2 of ql[64 h + 32 (r % 2) + l] and its top two from bit pair
+ *   r of qh[32 h + l]; element l's scale is scales[2g + l / 16].
+ *   value = (d * scale) * (code - 32), code in 0..63 */
+#define CISM_QK_K 256
+enum { CISM_Q4_K_D = 0, CISM_Q4_K_DMIN = 2, CISM_Q4_K_SCALES = 4, CISM_Q4_K_QS = 16,
+       CISM_Q4_K_BYTES = 144 };
+enum { CISM_Q6_K_QL = 0, CISM_Q6_K_QH = 128, CISM_Q6_K_SCALES = 192, CISM_Q6_K_D = 208,
+       CISM_Q6_K_BYTES = 210 };
+_Static_assert(CISM_Q4_K_QS == CISM_Q4_K_SCALES + 12 &&
+               CISM_Q4_K_BYTES == CISM_Q4_K_QS + CISM_QK_K / 2, "q4_K");
+_Static_assert(CISM_Q6_K_QH == CISM_QK_K / 2 && CISM_Q6_K_SCALES == CISM_Q6_K_QH + CISM_QK_K / 4 &&
+               CISM_Q6_K_D == CISM_Q6_K_SCALES + CISM_QK_K / 16 && CISM_Q6_K_BYTES == CISM_Q6_K_D + 2,
+               "q6_K");
+_Static_assert(CISM_QK_K == 8 * CISM_ACT_BLOCK, "a super-block is 8 activation blocks");
 
 /* A packed matrix as the kernels see it. Row r starts at codes + r * row_bytes;
  * int4/fp4 rows keep their scales inside the row at byte scale_offset. */
@@ -65,13 +98,16 @@ typedef struct cism_mat {
 
 static inline size_t cism_div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
-/* Bytes of the codes of one packed row (int4/fp4: before the scales). */
+/* Bytes of the codes of one packed row (int4/fp4: before the scales; q4_k
+ * and q6_k: cols must be a multiple of CISM_QK_K). */
 static inline size_t cism_code_bytes(int storage, size_t cols) {
     switch (storage) {
     case CISM_FP32: return cols * 4;
     case CISM_FP16: return cols * 2;
     case CISM_INT8: return cols;
     case CISM_INT4: return cism_div_up(cols, CISM_INT4_BLOCK) * CISM_INT4_BLOCK_BYTES;
+    case CISM_Q4K: return cols / CISM_QK_K * CISM_Q4_K_BYTES; /* (the whole row: scales inside) */
+    case CISM_Q6K: return cols / CISM_QK_K * CISM_Q6_K_BYTES;
     default: return cism_div_up(cols, CISM_FP4_BLOCK) * (CISM_FP4_BLOCK / 2);
     }
 }
@@ -138,6 +174,62 @@ static inline uint16_t cism_f32_to_fp16(float f) {
     return sign | (uint16_t)r;
 }
 
+/* ---- ggml K-quant decoding (gguf-py's bits; see csrc/ggml.h for why
+ * every product is exact and only Q4_K's offset rounds) ---- */
+
+static inline float cism_ggml_half(const uint8_t *p) {
+    return cism_fp16_to_f32((uint16_t)(p[0] | (p[1] << 8)));   /* little-endian in the file */
+}
+
+/* The six-bit scale and min of sub-block j of Q4_K and Q5_K (ggml's
+ * get_scale_min_k4): for j < 4 the low six bits of s[j] and s[j + 4]; for
+ * j >= 4 the nibbles of s[j + 4] (scale low, min high) with the top two bits
+ * of s[j - 4] and s[j] above them. */
+static inline void cism_ggml_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* Q4_K super-blocks to floats: value = (d * sc) * q - (dmin * m). */
+static inline void cism_ggml_q4_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q4_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q4_K_D), dmin = cism_ggml_half(raw + CISM_Q4_K_DMIN);
+        for (int j = 0; j < 8; j++, out += 32) {
+            int sc, m;
+            cism_ggml_scale_min_k4(raw + CISM_Q4_K_SCALES, j, &sc, &m);
+            const float dl = d * (float)sc, ml = dmin * (float)m;
+            const uint8_t *q = raw + CISM_Q4_K_QS + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; l++) out[l] = dl * (float)((q[l] >> shift) & 15) - ml;
+        }
+    }
+}
+
+/* The 6-bit code of element l of run g of a Q6_K super-block. */
+static inline int cism_q6k_code(const uint8_t *raw, int g, int l) {
+    const int h = g / 4, r = g % 4;
+    const uint8_t ql = raw[CISM_Q6_K_QL + 64 * h + 32 * (r % 2) + l];
+    const uint8_t qh = raw[CISM_Q6_K_QH + 32 * h + l];
+    return ((ql >> (4 * (r / 2))) & 15) | ((qh >> (2 * r)) & 3) << 4;
+}
+
+/* Q6_K super-blocks to floats: value = (d * scale) * (code - 32). */
+static inline void cism_ggml_q6_k(const uint8_t *raw, size_t blocks, float *out) {
+    for (size_t b = 0; b < blocks; b++, raw += CISM_Q6_K_BYTES) {
+        const float d = cism_ggml_half(raw + CISM_Q6_K_D);
+        for (int g = 0; g < 8; g++, out += 32) {
+            const float dl[2] = {d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g],
+                                 d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g + 1]};
+            for (int l = 0; l < 32; l++) out[l] = dl[l / 16] * (float)(cism_q6k_code(raw, g, l) - 32);
+        }
+    }
+}
+
 /* E4M3 (bias 7, no infinities, 0x7f/0xff NaN) -> binary32, exact. */
 static inline float cism_e4m3_to_f32(uint8_t b) {
     const uint32_t exp = (b >> 3) & 0xfu;
@@ -183,7 +275,8 @@ static const uint8_t cism_e2m1_x2_biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 
 _Static_assert(sizeof cism_e2m1_x2_biased == sizeof cism_e2m1_x2, "one biased value per fp4 code");
 
 /* Elements i0..i1-1 of row r of W as floats (out[0] is element i0),
- * exactly as the kernels see the weights; int8 rows are multiplied by their
+ * exactly as the kernels see the weights (q4_k, q6_k: csrc/ggml.h's decode,
+ * gguf-py's bits); int8 rows are multiplied by their
  * row scale only when with_int8_scale is set (the dot products apply it
  * after the sum). */
 static inline void cism_dequant_range(const cism_mat *W, size_t r, size_t i0, size_t i1, float *out,
@@ -214,6 +307,18 @@ static inline void cism_dequant_range(const cism_mat *W, size_t r, size_t i0, si
             out[i - i0] = (float)(code - 8) * cism_int4_scale(row, W->scale_offset, b);
         }
         break;
+    case CISM_Q4K:
+    case CISM_Q6K: { /* whole super-blocks decoded, the range's part kept */
+        float blk[CISM_QK_K];
+        for (size_t s = i0 / CISM_QK_K; s * CISM_QK_K < i1; s++) {
+            if (W->storage == CISM_Q4K) cism_ggml_q4_k(row + s * CISM_Q4_K_BYTES, 1, blk);
+            else cism_ggml_q6_k(row + s * CISM_Q6_K_BYTES, 1, blk);
+            const size_t lo = s * CISM_QK_K > i0 ? s * CISM_QK_K : i0;
+            const size_t hi = s * CISM_QK_K + CISM_QK_K < i1 ? s * CISM_QK_K + CISM_QK_K : i1;
+            memcpy(out + (lo - i0), blk + (lo - s * CISM_QK_K), (hi - lo) * sizeof(float));
+        }
+        break;
+    }
     default: { /* CISM_FP4 */
         const uint8_t *sb = row + W->scale_offset;
         for (size_t i = i0; i < i1; i++) {

@@ -29,8 +29,6 @@ enum { CISM_GGML_F32 = 0, CISM_GGML_F16 = 1, CISM_GGML_Q4_0 = 2, CISM_GGML_Q4_1 
        CISM_GGML_Q3_K = 11, CISM_GGML_Q4_K = 12, CISM_GGML_Q5_K = 13, CISM_GGML_Q6_K = 14,
        CISM_GGML_IQ4_NL = 20, CISM_GGML_IQ4_XS = 23, CISM_GGML_BF16 = 30 };
 
-#define CISM_QK_K 256
-
 /* 32-element blocks. Nibble byte j holds element j (low) and j + 16 (high);
  * Q5's qh is a little-endian u32 whose bit i is the fifth bit of element i. */
 enum { CISM_Q8_0_D = 0, CISM_Q8_0_QS = 2, CISM_Q8_0_BYTES = 34 };   /* d * q, q int8 */
@@ -41,17 +39,16 @@ enum { CISM_Q5_1_D = 0, CISM_Q5_1_M = 2, CISM_Q5_1_QH = 4, CISM_Q5_1_QS = 8,
        CISM_Q5_1_BYTES = 24 };                                      /* d * q + m */
 enum { CISM_IQ4_NL_D = 0, CISM_IQ4_NL_QS = 2, CISM_IQ4_NL_BYTES = 18 };  /* d * levels[q] */
 
-/* 256-element super-blocks, described at each decoder below. */
+/* 256-element super-blocks, described at each decoder below. Q4_K and Q6_K
+ * are cism storages too (q4_k, q6_k): their layout, offsets and decoders
+ * (cism_ggml_q4_k, cism_ggml_q6_k, cism_ggml_scale_min_k4, cism_ggml_half)
+ * live in formats.h, the one definition of every packed layout. */
 enum { CISM_Q2_K_SCALES = 0, CISM_Q2_K_QS = 16, CISM_Q2_K_D = 80, CISM_Q2_K_DMIN = 82,
        CISM_Q2_K_BYTES = 84 };
 enum { CISM_Q3_K_HMASK = 0, CISM_Q3_K_QS = 32, CISM_Q3_K_SCALES = 96, CISM_Q3_K_D = 108,
        CISM_Q3_K_BYTES = 110 };
-enum { CISM_Q4_K_D = 0, CISM_Q4_K_DMIN = 2, CISM_Q4_K_SCALES = 4, CISM_Q4_K_QS = 16,
-       CISM_Q4_K_BYTES = 144 };
 enum { CISM_Q5_K_D = 0, CISM_Q5_K_DMIN = 2, CISM_Q5_K_SCALES = 4, CISM_Q5_K_QH = 16,
        CISM_Q5_K_QS = 48, CISM_Q5_K_BYTES = 176 };
-enum { CISM_Q6_K_QL = 0, CISM_Q6_K_QH = 128, CISM_Q6_K_SCALES = 192, CISM_Q6_K_D = 208,
-       CISM_Q6_K_BYTES = 210 };
 enum { CISM_IQ4_XS_D = 0, CISM_IQ4_XS_SCALES_H = 2, CISM_IQ4_XS_SCALES_L = 4, CISM_IQ4_XS_QS = 8,
        CISM_IQ4_XS_BYTES = 136 };
 
@@ -61,23 +58,14 @@ _Static_assert(CISM_Q2_K_QS == CISM_QK_K / 16 && CISM_Q2_K_D == CISM_Q2_K_QS + C
                CISM_Q2_K_BYTES == CISM_Q2_K_DMIN + 2, "q2_K");
 _Static_assert(CISM_Q3_K_QS == CISM_QK_K / 8 && CISM_Q3_K_SCALES == CISM_Q3_K_QS + CISM_QK_K / 4 &&
                CISM_Q3_K_D == CISM_Q3_K_SCALES + 12 && CISM_Q3_K_BYTES == CISM_Q3_K_D + 2, "q3_K");
-_Static_assert(CISM_Q4_K_QS == CISM_Q4_K_SCALES + 12 &&
-               CISM_Q4_K_BYTES == CISM_Q4_K_QS + CISM_QK_K / 2, "q4_K");
 _Static_assert(CISM_Q5_K_QH == CISM_Q5_K_SCALES + 12 && CISM_Q5_K_QS == CISM_Q5_K_QH + CISM_QK_K / 8 &&
                CISM_Q5_K_BYTES == CISM_Q5_K_QS + CISM_QK_K / 2, "q5_K");
-_Static_assert(CISM_Q6_K_QH == CISM_QK_K / 2 && CISM_Q6_K_SCALES == CISM_Q6_K_QH + CISM_QK_K / 4 &&
-               CISM_Q6_K_D == CISM_Q6_K_SCALES + CISM_QK_K / 16 && CISM_Q6_K_BYTES == CISM_Q6_K_D + 2,
-               "q6_K");
 _Static_assert(CISM_IQ4_XS_QS == CISM_IQ4_XS_SCALES_L + CISM_QK_K / 64 &&
                CISM_IQ4_XS_BYTES == CISM_IQ4_XS_QS + CISM_QK_K / 2, "iq4_xs");
 
 /* The 16 non-uniform levels of IQ4_NL and IQ4_XS (kvalues_iq4nl). */
 static const int8_t cism_ggml_iq4_levels[16] = {
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-static inline float cism_ggml_half(const uint8_t *p) {
-    return cism_fp16_to_f32((uint16_t)(p[0] | (p[1] << 8)));   /* little-endian in the file */
-}
 
 static inline uint32_t cism_ggml_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -199,36 +187,6 @@ static void cism_ggml_q3_k(const uint8_t *raw, size_t blocks, float *out) {
     }
 }
 
-/* The six-bit scale and min of sub-block j of Q4_K and Q5_K (ggml's
- * get_scale_min_k4): for j < 4 the low six bits of s[j] and s[j + 4]; for
- * j >= 4 the nibbles of s[j + 4] (scale low, min high) with the top two bits
- * of s[j - 4] and s[j] above them. */
-static inline void cism_ggml_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
-
-/* Q4_K: 8 sub-blocks of 32; sub-block j takes nibble j % 2 (low first) of
- * qs[32 * (j / 2) ...]. value = (d * sc) * q - (dmin * m). */
-static void cism_ggml_q4_k(const uint8_t *raw, size_t blocks, float *out) {
-    for (size_t b = 0; b < blocks; b++, raw += CISM_Q4_K_BYTES) {
-        const float d = cism_ggml_half(raw + CISM_Q4_K_D), dmin = cism_ggml_half(raw + CISM_Q4_K_DMIN);
-        for (int j = 0; j < 8; j++, out += 32) {
-            int sc, m;
-            cism_ggml_scale_min_k4(raw + CISM_Q4_K_SCALES, j, &sc, &m);
-            const float dl = d * (float)sc, ml = dmin * (float)m;
-            const uint8_t *q = raw + CISM_Q4_K_QS + 32 * (j / 2);
-            const int shift = 4 * (j % 2);
-            for (int l = 0; l < 32; l++) out[l] = dl * (float)((q[l] >> shift) & 15) - ml;
-        }
-    }
-}
-
 /* Q5_K: Q4_K plus a fifth bit, bit j of qh[l] for element l of sub-block j. */
 static void cism_ggml_q5_k(const uint8_t *raw, size_t blocks, float *out) {
     for (size_t b = 0; b < blocks; b++, raw += CISM_Q5_K_BYTES) {
@@ -243,27 +201,6 @@ static void cism_ggml_q5_k(const uint8_t *raw, size_t blocks, float *out) {
             for (int l = 0; l < 32; l++) {
                 const int code = ((q[l] >> shift) & 15) | ((qh[l] >> j) & 1) << 4;
                 out[l] = dl * (float)code - ml;
-            }
-        }
-    }
-}
-
-/* Q6_K: 16 int8 scales, one per 16 elements; codes in runs of 32. Run g
- * (elements 32g ...) of half h = g / 4, r = g % 4, takes the low four bits
- * from nibble r / 2 of ql[64h + 32 (r % 2) ...] and the top two from bit
- * pair r of qh[32h ...]. value = (d * scale) * (code - 32). */
-static void cism_ggml_q6_k(const uint8_t *raw, size_t blocks, float *out) {
-    for (size_t b = 0; b < blocks; b++, raw += CISM_Q6_K_BYTES) {
-        const float d = cism_ggml_half(raw + CISM_Q6_K_D);
-        for (int g = 0; g < 8; g++, out += 32) {
-            const int h = g / 4, r = g % 4;
-            const uint8_t *ql = raw + CISM_Q6_K_QL + 64 * h + 32 * (r % 2);
-            const uint8_t *qh = raw + CISM_Q6_K_QH + 32 * h;
-            const float dl[2] = {d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g],
-                                 d * (float)(int8_t)raw[CISM_Q6_K_SCALES + 2 * g + 1]};
-            for (int l = 0; l < 32; l++) {
-                const int code = ((ql[l] >> (4 * (r / 2))) & 15) | ((qh[l] >> (2 * r)) & 3) << 4;
-                out[l] = dl[l / 16] * (float)(code - 32);
             }
         }
     }

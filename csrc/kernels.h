@@ -37,6 +37,26 @@
  * activations and vanish.
  * fp32/fp16 weights ignore the switch.
  *
+ * ggml K-quants (q4_k, q6_k; formats.h). With fp32 activations they are
+ * like any storage: the canonical 16-lane dot above over the decoded
+ * weights (w_i = csrc/ggml.h's decode, gguf-py's bits; so a q4_k matrix
+ * gives the bits of an fp32 matrix holding its decode). With q8
+ * activations each 256-element super-block is 8 activation blocks, and a
+ * dot keeps 8 float lanes, lane j taking sub-block (or run) j of every
+ * super-block in order, then the tree cism_reduce8 (l0+l4, l1+l5, l2+l6,
+ * l3+l7; then +2; then +1). For super-block s, block b = 8s + j:
+ *   q4_k: isum = sum q_e a_e (q 0..15), asum = sum a_e, both exact;
+ *         acc_j = fma((float)(sc_j * isum), d * ascale_b, acc_j);
+ *         acc_j = fma((float)(m_j * asum), -(dmin * ascale_b), acc_j)
+ *   q6_k: isum = sc_2j * sum_{e<16} (code_e - 32) a_e
+ *              + sc_2j+1 * sum_{e>=16} (code_e - 32) a_e  (exact);
+ *         acc_j = fma((float)isum, d * ascale_b, acc_j)
+ * Every integer there is exact in float32 (|sc isum| <= 63 * 32 * 15 * 127,
+ * |m asum| <= 63 * 32 * 127, q6_k's |isum| <= 2 * 128 * 16 * 32 * 127 <
+ * 2^24), so only the products d * ascale and the fmas round. Lanes in
+ * place of one chain: a row's 8 sub-blocks (their scales and mins too)
+ * unpack straight into the 8 lanes of a ymm, with no transposes.
+ *
  * Vector activations (max errors against the double-precision function are
  * stated in act_ref.c and checked by tests/test_activations.py).
  */
@@ -134,6 +154,8 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_int8_q8;               /* int8 weights x q8 activations */
     cism_gemm_fn gemm_int4_q8;               /* int4 weights x q8 activations */
     cism_gemm_fn gemm_fp4_q8;                /* fp4 weights x q8 activations */
+    cism_gemm_fn gemm_q4k_q8;                /* q4_k weights x q8 activations */
+    cism_gemm_fn gemm_q6k_q8;                /* q6_k weights x q8 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
      * in the hardware's order; see gemm_amx.c). NULL below the amx level
      * (no AMX, not granted, or capped): callers keep the canonical kernels. */
@@ -229,6 +251,13 @@ static inline size_t cism_argmax_lanes(const float *v, const int32_t *ix, int la
         }
     }
     return best;
+}
+
+/* The K-quant x q8 tree over a dot's 8 lanes (see the top of this file). */
+static inline float cism_reduce8(const float *acc) {
+    float s4[4];
+    for (int i = 0; i < 4; i++) s4[i] = acc[i] + acc[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 static inline float cism_reduce16(const float *acc) {

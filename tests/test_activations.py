@@ -185,12 +185,13 @@ _fp = ctypes.c_void_p
 _UNARY_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _BINARY_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                               ctypes.c_size_t)
-CISM_NUM_STORAGES = 5
+CISM_NUM_STORAGES = 7
 
 
 class _Table(ctypes.Structure):
     _fields_ = [("gemm", _fp * CISM_NUM_STORAGES), ("gemm_int8_q8", _fp),
-                ("gemm_int4_q8", _fp), ("gemm_fp4_q8", _fp), ("gemm_bf16", _fp), ("pack_bf16", _fp),
+                ("gemm_int4_q8", _fp), ("gemm_fp4_q8", _fp), ("gemm_q4k_q8", _fp), ("gemm_q6k_q8", _fp),
+                ("gemm_bf16", _fp), ("pack_bf16", _fp),
                 ("dot", _fp), ("axpy", _fp), ("axpy_tile", _fp), ("scores16", _fp),
                 ("scores16_h", _fp), ("axpy_tile_h", _fp), ("to_f16", _fp), ("quant8", _fp)]
     _fields_ += [(name, _fp) for name in FUNCS]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cism import _kernels
-from cism.matrix import STORAGES, Matrix, bf16_available
+from cism.matrix import FLOAT_STORAGES, Matrix, bf16_available
 
 from models import small_model
 
@@ -42,7 +42,7 @@ SHAPES = [(64, 64, 16), (70, 100, 5), (33, 1040, 47), (1, 31, 1), (200, 3072, 40
 
 
 @needs_amx
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", FLOAT_STORAGES)
 @pytest.mark.parametrize("rows,cols,T", SHAPES)
 def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T):
     rng = np.random.default_rng(rows * cols + T)
