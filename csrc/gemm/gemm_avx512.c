@@ -164,6 +164,94 @@ ALWAYS_INLINE void int4_block32(row_ptr p, size_t so, size_t b, __m512 *w0, __m5
     *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
+/* ---- ggml K-quants (q4_k, q6_k), fp32 activations: the decoded weights
+ * (formats.h, csrc/ggml.h's bits) met by the canonical dot, a 64-element
+ * part of a super-block at a time ---- */
+
+/* Bytes [sc_0..sc_7, m_0..m_7] of a Q4_K super-block's 12 packed 6-bit
+ * scales and mins at s (cism_ggml_scale_min_k4 for all j at once: j < 4
+ * the low six bits of bytes j and j + 4; j >= 4 the nibbles of byte j + 4
+ * under the top two bits of bytes j - 4 and j). Reads 16 bytes (the block
+ * goes on past them). */
+ALWAYS_INLINE __m128i q4k_scale_bytes(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s);
+    /* p: [s0-3, s8-11, s4-7, s8-11]; q: the bytes whose top bits go on top */
+    const __m128i p = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i q = _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(p, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high_nib = _mm_and_si128(_mm_srli_epi16(p, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_srli_epi16(_mm_and_si128(q, _mm_set1_epi8((char)0xc0)), 2);
+    return _mm_or_si128(_mm_or_si128(low, high_nib), top);
+}
+
+/* The per-super-block factors of the decode, exact products as in ggml.h:
+ * q4_k sm[j] = d * sc_j, sm[8 + j] = dmin * m_j; q6_k sm[k] = d * scale_k. */
+ALWAYS_INLINE void kq_scales(const int S, const uint8_t *blk, float sm[16]) {
+    if (S == CISM_Q4K) {
+        const __m512 sc_m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(blk + CISM_Q4_K_SCALES)));
+        int32_t dd;
+        memcpy(&dd, blk + CISM_Q4_K_D, 4); /* d, dmin */
+        const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                               _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dd))));
+        _mm512_storeu_ps(sm, _mm512_mul_ps(sc_m, d));
+    } else {
+        uint16_t h;
+        memcpy(&h, blk + CISM_Q6_K_D, 2);
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES))));
+        _mm512_storeu_ps(sm, _mm512_mul_ps(sc, _mm512_set1_ps(_cvtsh_ss(h))));
+    }
+}
+
+/* Elements 64k .. 64k + 63 of a super-block as floats, w[c] = elements
+ * 64k + 16c .. +15. q4_k: sub-blocks 2k (low nibbles of qs[32k ...]) and
+ * 2k + 1 (high), each the 16 values fma(dl, q, -ml) = dl * q - ml (dl * q
+ * is exact, so one rounding as in the decoder) looked up with vpermps
+ * (which reads an index's low 4 bits only). q6_k: runs 2k, 2k + 1 (code
+ * bytes formed 64 at a time), (float)(code - 32) * dl exactly. */
+ALWAYS_INLINE void kq_part(const int S, const uint8_t *blk, const float sm[16], int k, __m512 w[4]) {
+    if (S == CISM_Q4K) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 t0 = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * k]), iota, _mm512_set1_ps(sm[8 + 2 * k]));
+        const __m512 t1 = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * k + 1]), iota, _mm512_set1_ps(sm[9 + 2 * k]));
+        const uint8_t *qs = blk + CISM_Q4_K_QS + 32 * k;
+        const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+        w[0] = _mm512_permutexvar_ps(i0, t0);
+        w[1] = _mm512_permutexvar_ps(i1, t0);
+        w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t1);
+        w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t1);
+        return;
+    }
+    /* runs 2k, 2k + 1 = ql[64h ...] bytes 0-31 and 32-63, low nibbles for
+     * k even, high for k odd; their top bits are bit pairs (2k % 4,
+     * 2k % 4 + 1) of qh[32h ...], h = k / 2 */
+    const int h = k / 2;
+    const __m512i ql = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QL + 64 * h));
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + CISM_Q6_K_QH + 32 * h)));
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    __m512i lo, hi;
+    if (k % 2 == 0) {
+        lo = _mm512_and_si512(ql, m4);
+        /* bit pairs 0 (run 4h) and 1 (run 4h + 1) up to bits 4-5 */
+        hi = _mm512_and_si512(_mm512_sllv_epi16(qh, _mm512_setr_epi64(0x0004000400040004LL, 0x0004000400040004LL,
+                                                                      0x0004000400040004LL, 0x0004000400040004LL,
+                                                                      0x0002000200020002LL, 0x0002000200020002LL,
+                                                                      0x0002000200020002LL, 0x0002000200020002LL)), m30);
+    } else {
+        lo = _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4);
+        /* bit pairs 2 and 3 down to bits 4-5 */
+        hi = _mm512_and_si512(_mm512_srlv_epi16(qh, _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
+                                                                      0x0002000200020002LL, 0x0002000200020002LL)), m30);
+    }
+    const __m512i code = _mm512_sub_epi8(_mm512_or_si512(lo, hi), _mm512_set1_epi8(32)); /* code - 32 */
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(code))), _mm512_set1_ps(sm[4 * k]));
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(code, 1))), _mm512_set1_ps(sm[4 * k + 1]));
+    w[2] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(code, 2))), _mm512_set1_ps(sm[4 * k + 2]));
+    w[3] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(code, 3))), _mm512_set1_ps(sm[4 * k + 3]));
+}
+
+ALWAYS_INLINE size_t kq_block_bytes(const int S) { return S == CISM_Q4K ? CISM_Q4_K_BYTES : CISM_Q6_K_BYTES; }
+
 /* An R x TT tile of dots: rows r, r + rs, ..., r + (R-1) rs, tokens of X
  * (row stride ldx). */
 ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r,
@@ -175,7 +263,23 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         p[i] = row_at(S, W, r + i * rs);
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     }
-    if (S == CISM_INT4) {
+    if (S == CISM_Q4K || S == CISM_Q6K) {
+        /* whole super-blocks (cols is a multiple of 256) */
+        for (size_t sb = 0; sb < n / CISM_QK_K; sb++)
+            for (int i = 0; i < R; i++) {
+                const uint8_t *blk = p[i].codes + sb * kq_block_bytes(S);
+                __attribute__((aligned(64))) float sm[16];
+                kq_scales(S, blk, sm);
+                for (int k = 0; k < 4; k++) {
+                    __m512 w[4];
+                    kq_part(S, blk, sm, k, w);
+                    for (int j = 0; j < TT; j++) {
+                        const float *x = X + j * ldx + CISM_QK_K * sb + 64 * k;
+                        for (int c = 0; c < 4; c++) acc[i][j] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + 16 * c), acc[i][j]);
+                    }
+                }
+            }
+    } else if (S == CISM_INT4) {
         /* whole 32-element blocks: one byte load feeds both halves */
         const size_t blocks = n / 32;
         for (size_t b = 0; b < blocks; b++) {
@@ -287,7 +391,18 @@ ALWAYS_INLINE void dequant_rows(const int S, const int R, const cism_mat *W, siz
     for (int i = 0; i < R; i++) {
         const row_ptr p = row_at(S, W, r + i);
         float *o = out + i * n;
-        if (S == CISM_INT4) {
+        if (S == CISM_Q4K || S == CISM_Q6K) {
+            for (size_t sb = 0; sb < n / CISM_QK_K; sb++) {
+                const uint8_t *blk = p.codes + sb * kq_block_bytes(S);
+                __attribute__((aligned(64))) float sm[16];
+                kq_scales(S, blk, sm);
+                for (int k = 0; k < 4; k++) {
+                    __m512 w[4];
+                    kq_part(S, blk, sm, k, w);
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + CISM_QK_K * sb + 64 * k + 16 * c, w[c]);
+                }
+            }
+        } else if (S == CISM_INT4) {
             for (size_t b = 0; 32 * b < n; b++) {
                 __m512 w0, w1;
                 int4_block32(p, so, b, &w0, &w1);
@@ -495,6 +610,8 @@ GEMM_F32(gemm_fp16_avx512, CISM_FP16)
 GEMM_F32(gemm_int8_avx512, CISM_INT8)
 GEMM_F32(gemm_int4_avx512, CISM_INT4)
 GEMM_F32(gemm_fp4_avx512, CISM_FP4)
+GEMM_F32(gemm_q4k_avx512, CISM_Q4K)
+GEMM_F32(gemm_q6k_avx512, CISM_Q6K)
 
 /* ---- quantized activations ---- */
 
@@ -1040,6 +1157,220 @@ ALWAYS_INLINE void gemm_q_tpl(const int S, const int VNNI, const cism_mat *W, si
 GEMM_Q(gemm_int8_q8_avx512, CISM_INT8, 0)
 GEMM_Q(gemm_int4_q8_avx512, CISM_INT4, 0)
 GEMM_Q(gemm_fp4_q8_avx512, CISM_FP4, 0)
+
+/* ---- ggml K-quants (q4_k, q6_k) x q8 activations ----
+ *
+ * The canonical order (kernels.h, gemm_ref.c): a dot's 8 float lanes,
+ * lane j folding in sub-block (run) j of each super-block. Here a dot's
+ * lanes are one ymm, in a fixed permutation of j (its block sums come out of
+ * the reduction that way; the scales and activation scales are put in the
+ * same order, and the lanes are put back before cism_reduce8's tree).
+ * Per super-block each row's 256 codes meet the token's 256 activations in
+ * four vpdpbusd (or maddubs + madd; q6_k codes 0..63 keep maddubs pairs
+ * within 2 * 63 * 127) whose 64 dword lanes are reduced to the 8 block
+ * sums (q6_k: 16 group sums, times the int8 scales, then pairs).
+ * q4_k: the two 64-byte code loads split into low and high nibbles give
+ * [sub-block 0 | 2], [1 | 3], [4 | 6], [5 | 7], so the activation blocks are
+ * paired the same way once per token; block sums come out in lane order
+ * Q4K_ORDER. q6_k: the codes of runs [0 | 1], [2 | 3], [4 | 5], [6 | 7] are
+ * formed from the ql nibbles and the qh bit pairs and meet the activations
+ * in element order; code - 32 is taken off as 32 times the activations'
+ * group sums (once per token). */
+
+/* Lane p of a dot holds sub-block (run) ORDER[p]; as lane indices the way
+ * back is Q4K_ORDER itself or Q6K_BACK. */
+#define Q4K_ORDER 0, 1, 4, 5, 2, 3, 6, 7
+#define Q6K_ORDER 0, 2, 4, 6, 1, 3, 5, 7
+#define Q6K_BACK 0, 4, 1, 5, 2, 6, 3, 7
+
+/* Four vectors of dword lane sums -> their 128-bit lane sums: lane L of
+ * the result holds [v0 lane L, v1 lane L, v2 lane L, v3 lane L] (each the
+ * sum of that 128-bit lane's 4 dwords; integer additions, any order). */
+ALWAYS_INLINE __m512i lane_sums4x4(const __m512i v[4]) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* 128-bit lanes 0 + 1 and 2 + 3 of u as one ymm [lanes 0+1 | lanes 2+3]. */
+ALWAYS_INLINE __m256i pair_lanes(__m512i u) {
+    const __m512i z = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, 0xb1)); /* swap lanes 0-1, 2-3 */
+    return _mm512_castsi512_si256(_mm512_shuffle_i32x4(z, z, 0x08));         /* lanes 0 and 2 */
+}
+
+/* One token's share of a super-block, made once for all rows. */
+typedef struct {
+    __m512i a[4];  /* q4_k: [b0|b2], [b1|b3], [b4|b6], [b5|b7]; q6_k: [b0|b1] .. [b6|b7] */
+    __m512i side;  /* q4_k: [0 | asum (Q4K_ORDER)]; q6_k: 32 x group sums, laid out as the weights' */
+    __m512 scale;  /* q4_k: [ascale | -ascale] (Q4K_ORDER); q6_k: [ascale (Q6K_ORDER) | -] */
+} kq_tok;
+
+ALWAYS_INLINE void kq8_token(const int S, const int VNNI, const cism_act *A, size_t t, size_t sb, kq_tok *k) {
+    const int8_t *a = A->q8 + t * A->ldq + CISM_QK_K * sb;
+    const __m256 as = _mm256_loadu_ps(A->qscale + t * A->ldqs + 8 * sb);
+    __m512i x[4], v[4];
+    for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_si512((const void *)(a + 64 * c));
+    const __m512i zero = _mm512_setzero_si512();
+    if (S == CISM_Q4K) {
+        k->a[0] = _mm512_shuffle_i64x2(x[0], x[1], 0x44);
+        k->a[1] = _mm512_shuffle_i64x2(x[0], x[1], 0xee);
+        k->a[2] = _mm512_shuffle_i64x2(x[2], x[3], 0x44);
+        k->a[3] = _mm512_shuffle_i64x2(x[2], x[3], 0xee);
+        for (int c = 0; c < 4; c++) v[c] = dot4_acc(VNNI, zero, _mm512_set1_epi8(1), k->a[c]);
+        k->side = _mm512_inserti64x4(zero, pair_lanes(lane_sums4x4(v)), 1);
+        const __m256 o = _mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q4K_ORDER));
+        k->scale = join8(o, _mm256_sub_ps(_mm256_setzero_ps(), o));
+    } else {
+        for (int c = 0; c < 4; c++) {
+            k->a[c] = x[c];
+            v[c] = dot4_acc(VNNI, zero, _mm512_set1_epi8(32), x[c]);
+        }
+        k->side = lane_sums4x4(v);
+        k->scale = _mm512_castps256_ps512(_mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q6K_ORDER)));
+    }
+}
+
+/* One row's super-block, unpacked once for all tokens. */
+typedef struct {
+    __m512i q[4];  /* code bytes, arranged as kq_tok.a */
+    __m512i sc;    /* q4_k: [sc | m] (Q4K_ORDER); q6_k: the 16 int8 scales in the group sums' order */
+    __m512 d;      /* q4_k: [d x 8 | dmin x 8]; q6_k: d x 16 */
+} kq_row;
+
+ALWAYS_INLINE void kq8_row(const int S, const uint8_t *blk, kq_row *w) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    if (S == CISM_Q4K) {
+        for (int h = 0; h < 2; h++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(blk + CISM_Q4_K_QS + 64 * h));
+            w->q[2 * h] = _mm512_and_si512(x, m4);
+            w->q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        }
+        const __m128i b = _mm_shuffle_epi8(q4k_scale_bytes(blk + CISM_Q4_K_SCALES),
+                                           _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+        w->sc = _mm512_cvtepu8_epi32(b);
+        int32_t dd;
+        memcpy(&dd, blk + CISM_Q4_K_D, 4);
+        w->d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                     _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dd))));
+        return;
+    }
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    const __m512i qh = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QH));
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QL + 64 * h));
+        const __m512i q2 = _mm512_shuffle_i64x2(qh, qh, h ? 0xee : 0x44); /* qh[32h ...] in both halves */
+        const __m512i up = _mm512_sllv_epi16(q2, _mm512_setr_epi64(
+            0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+            0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL));
+        const __m512i down = _mm512_srlv_epi16(q2, _mm512_setr_epi64(
+            0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL));
+        w->q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(up, m30));
+        w->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(down, m30));
+    }
+    /* the group sums come out with group 4k + L at dword 4L + k */
+    w->sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES)),
+                                                  _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)));
+    uint16_t h;
+    memcpy(&h, blk + CISM_Q6_K_D, 2);
+    w->d = _mm512_set1_ps(_cvtsh_ss(h));
+}
+
+/* One (row, token) super-block folded into the dot's lanes. */
+ALWAYS_INLINE __m256 kq8_fold(const int S, const int VNNI, const kq_row *w, const kq_tok *k, __m256 acc) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i v[4];
+    for (int c = 0; c < 4; c++) v[c] = dot4_acc(VNNI, zero, w->q[c], k->a[c]);
+    if (S == CISM_Q4K) {
+        /* [sc * isum | m * asum] and [d * ascale | -(dmin * ascale)] */
+        const __m512i sums = _mm512_inserti64x4(k->side, pair_lanes(lane_sums4x4(v)), 0);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sums, w->sc));
+        const __m512 c = _mm512_mul_ps(w->d, k->scale);
+        acc = _mm256_fmadd_ps(lo8(f), lo8(c), acc);
+        return _mm256_fmadd_ps(hi8(f), hi8(c), acc);
+    }
+    /* group sums of (code - 32) a, times the scales, pairs into runs */
+    const __m512i g = _mm512_mullo_epi32(_mm512_sub_epi32(lane_sums4x4(v), k->side), w->sc);
+    const __m256 f = _mm256_cvtepi32_ps(pair_lanes(g));
+    return _mm256_fmadd_ps(f, lo8(_mm512_mul_ps(w->d, k->scale)), acc);
+}
+
+/* The canonical tree over a dot's lanes (held in ORDER). */
+ALWAYS_INLINE float kq8_finish(const int S, __m256 acc) {
+    const __m256 c = _mm256_permutevar8x32_ps(acc, S == CISM_Q4K ? _mm256_setr_epi32(Q4K_ORDER)
+                                                                 : _mm256_setr_epi32(Q6K_BACK));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); /* [s4_0 + s4_2, s4_1 + s4_3] */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* An R x TT tile: rows r, r + rs, ..., tokens t .. t + TT - 1. */
+ALWAYS_INLINE void kq8_tile(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
+                            size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const size_t bb = kq_block_bytes(S);
+    const uint8_t *rows[8];
+    __m256 acc[8][4];
+    for (int i = 0; i < R; i++) {
+        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    }
+    for (size_t sb = 0; sb < W->cols / CISM_QK_K; sb++) {
+        kq_tok k[4];
+        for (int j = 0; j < TT; j++) kq8_token(S, VNNI, A, t + j, sb, &k[j]);
+        for (int i = 0; i < R; i++) {
+            kq_row w;
+            kq8_row(S, rows[i] + sb * bb, &w);
+            for (int j = 0; j < TT; j++) acc[i][j] = kq8_fold(S, VNNI, &w, &k[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = kq8_finish(S, acc[i][j]);
+}
+
+ALWAYS_INLINE void gemm_kq8_tpl(const int S, const int VNNI, const cism_mat *W, size_t r0, size_t r1,
+                                const cism_act *A, size_t T, float *Y, size_t ldy) {
+    if (T == 1) { /* 8 streams spread over the rows, as in gemm_f32_tpl */
+        const size_t L = (r1 - r0) / 8;
+        for (size_t j = 0; j < L; j++) kq8_tile(S, VNNI, 8, 1, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + 8 * L; r < r1; r++) kq8_tile(S, VNNI, 1, 1, W, r, 1, A, 0, Y, ldy);
+        return;
+    }
+    for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
+        const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
+        for (size_t r = r0; r < r1; r += 4) {
+            const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+            size_t t = t0;
+            for (; t + 4 <= t1; t += 4) {
+                switch (R) {
+                case 4: kq8_tile(S, VNNI, 4, 4, W, r, 1, A, t, Y, ldy); break;
+                case 3: kq8_tile(S, VNNI, 3, 4, W, r, 1, A, t, Y, ldy); break;
+                case 2: kq8_tile(S, VNNI, 2, 4, W, r, 1, A, t, Y, ldy); break;
+                default: kq8_tile(S, VNNI, 1, 4, W, r, 1, A, t, Y, ldy); break;
+                }
+            }
+            for (; t < t1; t++) {
+                switch (R) {
+                case 4: kq8_tile(S, VNNI, 4, 1, W, r, 1, A, t, Y, ldy); break;
+                case 3: kq8_tile(S, VNNI, 3, 1, W, r, 1, A, t, Y, ldy); break;
+                case 2: kq8_tile(S, VNNI, 2, 1, W, r, 1, A, t, Y, ldy); break;
+                default: kq8_tile(S, VNNI, 1, 1, W, r, 1, A, t, Y, ldy); break;
+                }
+            }
+        }
+    }
+}
+
+#define GEMM_KQ8(NAME, S, VNNI)                                                                  \
+    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
+                     float *Y, size_t ldy) {                                                     \
+        gemm_kq8_tpl(S, VNNI, W, r0, r1, A, T, Y, ldy);                                          \
+    }
+GEMM_KQ8(gemm_q4k_q8_avx512, CISM_Q4K, 0)
+GEMM_KQ8(gemm_q6k_q8_avx512, CISM_Q6K, 0)
+#ifdef __AVX512VNNI__
+/* (the avx512vnni and amx translation units) */
+GEMM_KQ8(gemm_q4k_q8_avx512vnni, CISM_Q4K, 1)
+GEMM_KQ8(gemm_q6k_q8_avx512vnni, CISM_Q6K, 1)
+#endif
 #ifdef __AVX512VNNI__
 /* ---- several tokens x q8 with VNNI: tokens in lanes ----
  *
@@ -1577,9 +1908,13 @@ void cism_fill_gemm_avx512(cism_kernels *k) {
     k->gemm[CISM_INT8] = gemm_int8_avx512;
     k->gemm[CISM_INT4] = gemm_int4_avx512;
     k->gemm[CISM_FP4] = gemm_fp4_avx512;
+    k->gemm[CISM_Q4K] = gemm_q4k_avx512;
+    k->gemm[CISM_Q6K] = gemm_q6k_avx512;
     k->gemm_int8_q8 = gemm_int8_q8_avx512;
     k->gemm_int4_q8 = gemm_int4_q8_avx512;
     k->gemm_fp4_q8 = gemm_fp4_q8_avx512;
+    k->gemm_q4k_q8 = gemm_q4k_q8_avx512;
+    k->gemm_q6k_q8 = gemm_q6k_q8_avx512;
     k->dot = dot_avx512;
     k->axpy = axpy_avx512;
     k->axpy_tile = axpy_tile_avx512;

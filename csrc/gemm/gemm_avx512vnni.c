@@ -10,5 +10,7 @@ void cism_fill_gemm_avx512vnni(cism_kernels *k) {
     k->gemm_int8_q8 = gemm_int8_q8_avx512vnni;
     k->gemm_int4_q8 = gemm_int4_q8_avx512vnni;
     k->gemm_fp4_q8 = gemm_fp4_q8_avx512vnni;
+    k->gemm_q4k_q8 = gemm_q4k_q8_avx512vnni;
+    k->gemm_q6k_q8 = gemm_q6k_q8_avx512vnni;
     k->name_gemm_q = "avx512vnni";
 }
