@@ -146,6 +146,88 @@ ALWAYS_INLINE void deq32(const int S, const uint8_t *p, size_t so, size_t u, __m
     else fp4_unit32(p, so, u, w);
 }
 
+/* ---- ggml K-quants (q4_k, q6_k): super-block scales, and fp32
+ * activations over the decoded weights (formats.h, csrc/ggml.h's bits),
+ * 32 elements (one Q4_K sub-block, one Q6_K run) at a time ---- */
+
+/* Bytes [sc_0..sc_7, m_0..m_7] of a Q4_K super-block's 12 packed 6-bit
+ * scales and mins at s (cism_ggml_scale_min_k4 for all j at once: j < 4
+ * the low six bits of bytes j and j + 4; j >= 4 the nibbles of byte j + 4
+ * under the top two bits of bytes j - 4 and j). Reads 16 bytes (the block
+ * goes on past them). */
+ALWAYS_INLINE __m128i q4k_scale_bytes(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s);
+    /* p: [s0-3, s8-11, s4-7, s8-11]; q: the bytes whose top bits go on top */
+    const __m128i p = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i q = _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(p, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high_nib = _mm_and_si128(_mm_srli_epi16(p, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_srli_epi16(_mm_and_si128(q, _mm_set1_epi8((char)0xc0)), 2);
+    return _mm_or_si128(_mm_or_si128(low, high_nib), top);
+}
+
+ALWAYS_INLINE size_t kq_block_bytes(const int S) { return S == CISM_Q4K ? CISM_Q4_K_BYTES : CISM_Q6_K_BYTES; }
+
+/* The per-super-block factors of the decode, exact products as in ggml.h:
+ * q4_k sm[j] = d * sc_j, sm[8 + j] = dmin * m_j; q6_k sm[k] = d * scale_k. */
+ALWAYS_INLINE void kq_scales(const int S, const uint8_t *blk, float sm[16]) {
+    if (S == CISM_Q4K) {
+        const __m128i b = q4k_scale_bytes(blk + CISM_Q4_K_SCALES);
+        int32_t dd;
+        memcpy(&dd, blk + CISM_Q4_K_D, 4); /* d, dmin */
+        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));
+        const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(d2)), dmin = _mm256_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(d2)));
+        _mm256_storeu_ps(sm, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), d));
+        _mm256_storeu_ps(sm + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), dmin));
+    } else {
+        uint16_t h;
+        memcpy(&h, blk + CISM_Q6_K_D, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES));
+        _mm256_storeu_ps(sm, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d));
+        _mm256_storeu_ps(sm + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d));
+    }
+}
+
+/* The 32 unsigned codes of Q4_K sub-block j or Q6_K run j (element order). */
+ALWAYS_INLINE __m256i kq_codes32(const int S, const uint8_t *blk, int j) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (S == CISM_Q4K) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + CISM_Q4_K_QS + 32 * (j / 2)));
+        return j % 2 ? _mm256_and_si256(_mm256_srli_epi16(x, 4), m4) : _mm256_and_si256(x, m4);
+    }
+    const int h = j / 4, r = j % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + CISM_Q6_K_QL + 64 * h + 32 * (r % 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + CISM_Q6_K_QH + 32 * h));
+    const __m256i low = r / 2 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
+    /* bit pair r of qh to bits 4-5 (16-bit shifts: the mask drops what
+     * crosses from the neighbouring byte) */
+    const __m256i top = r == 0 ? _mm256_slli_epi16(qh, 4) : r == 1 ? _mm256_slli_epi16(qh, 2)
+                      : r == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+}
+
+/* Elements 32j .. 32j + 31 of a super-block as floats, w[c] = elements
+ * 32j + 8c .. + 7. q4_k: fma(dl, q, -ml) = dl * q - ml (dl * q is exact:
+ * one rounding, as in the decoder); q6_k: (float)(code - 32) * dl, exact. */
+ALWAYS_INLINE void kq_sub32(const int S, const uint8_t *blk, const float sm[16], int j, __m256 w[4]) {
+    if (S == CISM_Q4K) {
+        const __m256 dl = _mm256_set1_ps(sm[j]), ml = _mm256_set1_ps(sm[8 + j]);
+        const uint8_t *qs = blk + CISM_Q4_K_QS + 32 * (j / 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
+            const __m256i q = j % 2 ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15));
+            w[c] = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(q), ml);
+        }
+        return;
+    }
+    const __m256i code = _mm256_sub_epi8(kq_codes32(S, blk, j), _mm256_set1_epi8(32)); /* code - 32 */
+    const __m128i c0 = _mm256_castsi256_si128(code), c1 = _mm256_extracti128_si256(code, 1);
+    const __m128i part[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+    for (int c = 0; c < 4; c++)
+        w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[c])), _mm256_set1_ps(sm[2 * j + c / 2]));
+}
+
 /* An R x TT tile of dots: rows r, r + rs, ..., tokens of X (row stride ldx). */
 ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
                             const float *X, size_t ldx, float *Y, size_t ldy) {
@@ -156,7 +238,26 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         p[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
-    if (S == CISM_INT4 || S == CISM_FP4) {
+    if (S == CISM_Q4K || S == CISM_Q6K) {
+        /* whole super-blocks (cols is a multiple of 256) */
+        for (size_t sb = 0; sb < n / CISM_QK_K; sb++)
+            for (int i = 0; i < R; i++) {
+                const uint8_t *blk = p[i] + sb * kq_block_bytes(S);
+                float sm[16];
+                kq_scales(S, blk, sm);
+                for (int q = 0; q < 8; q++) {
+                    __m256 w[4];
+                    kq_sub32(S, blk, sm, q, w);
+                    for (int j = 0; j < TT; j++) {
+                        const float *x = X + j * ldx + CISM_QK_K * sb + 32 * q;
+                        lo[i][j] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), lo[i][j]);
+                        hi[i][j] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), hi[i][j]);
+                        lo[i][j] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), lo[i][j]);
+                        hi[i][j] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), hi[i][j]);
+                    }
+                }
+            }
+    } else if (S == CISM_INT4 || S == CISM_FP4) {
         const size_t units = n / 32;
         for (size_t b = 0; b < units; b++) {
             for (int i = 0; i < R; i++) {
@@ -240,6 +341,19 @@ ALWAYS_INLINE void dequant_rows(const int S, const int R, const cism_mat *W, siz
     for (int i = 0; i < R; i++) {
         const uint8_t *p = (const uint8_t *)W->codes + (r + i) * W->row_bytes;
         float *o = out + i * ld;
+        if (S == CISM_Q4K || S == CISM_Q6K) {
+            for (size_t sb = 0; sb < n / CISM_QK_K; sb++) {
+                const uint8_t *blk = p + sb * kq_block_bytes(S);
+                float sm[16];
+                kq_scales(S, blk, sm);
+                for (int q = 0; q < 8; q++) {
+                    __m256 w[4];
+                    kq_sub32(S, blk, sm, q, w);
+                    for (int c = 0; c < 4; c++) _mm256_store_ps(o + CISM_QK_K * sb + 32 * q + 8 * c, w[c]);
+                }
+            }
+            continue;
+        }
         for (size_t u = 0; 32 * u < n; u++) {
             __m256 w[4];
             deq32(S, p, so, u, w);
@@ -261,7 +375,7 @@ ALWAYS_INLINE void rows_f32(const int S, const int R, const int TT, const cism_m
 
 ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_t r1,
                                 const cism_act *A, size_t T, float *Y, size_t ldy) {
-    const int nib = S == CISM_INT4 || S == CISM_FP4;
+    const int nib = S == CISM_INT4 || S == CISM_FP4 || S == CISM_Q4K || S == CISM_Q6K;
     if (T == 1) {
         /* R streams spread over the rows (see gemm_avx512.c) */
         const int R = nib ? DECODE_ROWS_NIB : DECODE_ROWS;
@@ -283,7 +397,10 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
      * rows per activation vector. Without the buffer (no memory) fp4 takes
      * the direct tiles too. */
     const size_t ld = cism_div_up(W->cols, 32) * 32;
-    float *buf = S == CISM_FP4 && T > DEQ_MIN_TOKENS ? cism_scratch_get(DEQ_ROWS * ld * sizeof(float)) : NULL;
+    /* (q4_k and q6_k: their unpacking costs more than fp4's, so they take
+     * the buffer too) */
+    const int via_buf = S == CISM_FP4 || S == CISM_Q4K || S == CISM_Q6K;
+    float *buf = via_buf && T > DEQ_MIN_TOKENS ? cism_scratch_get(DEQ_ROWS * ld * sizeof(float)) : NULL;
     const int R = nib ? 2 : 3, TT = nib ? 3 : 2;
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t tn = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
@@ -317,6 +434,8 @@ GEMM_F32(gemm_fp16_avx2, CISM_FP16)
 GEMM_F32(gemm_int8_avx2, CISM_INT8)
 GEMM_F32(gemm_int4_avx2, CISM_INT4)
 GEMM_F32(gemm_fp4_avx2, CISM_FP4)
+GEMM_F32(gemm_q4k_avx2, CISM_Q4K)
+GEMM_F32(gemm_q6k_avx2, CISM_Q6K)
 
 /* ---- quantized activations ---- */
 
@@ -1009,6 +1128,121 @@ static void gemm_fp4_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism
     else gemm_q_tpl(Q_FP4, W, r0, r1, A, T, Y, ldy);
 }
 
+/* ---- ggml K-quants (q4_k, q6_k) x q8 activations ----
+ *
+ * The canonical order (kernels.h, gemm_ref.c): a dot's 8 float lanes,
+ * lane j folding in sub-block (run) j of each super-block; here they are
+ * one ymm in that order. Per super-block, row and token, block j's 32
+ * products go by maddubs (unsigned codes: q4_k 0..15, q6_k 0..63, so the
+ * pairs stay within int16) and madd into 8 dword lanes, and one reduction
+ * (hsum8x8) gives the 8 block sums. q6_k takes code - 32 off in int16 (its
+ * pair sums less maddubs(32, a): within 2 * 32 * 127) and applies its two
+ * int8 scales in the madd, one per 128-bit lane (elements 0-15 and 16-31
+ * of the run). Tiles are R rows (8 spread over the range for decode) x one
+ * token, the token's activation sums (q4_k) made once per super-block. */
+
+/* v[i]'s eight dwords summed, into lane i (integer additions: any order). */
+ALWAYS_INLINE __m256i hsum8x8(const __m256i v[8]) {
+    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* Rows r, r + rs, ..., r + (R - 1) rs x token t. */
+ALWAYS_INLINE void kq8_rows(const int S, const int R, const cism_mat *W, size_t r, size_t rs, const cism_act *A,
+                            size_t t, float *Y, size_t ldy) {
+    const size_t bb = kq_block_bytes(S);
+    const int8_t *a = A->q8 + t * A->ldq;
+    const __m256i ones = _mm256_set1_epi16(1), m16 = _mm256_set1_epi32(0xffff);
+    const uint8_t *rows[8];
+    __m256 acc[8];
+    for (int i = 0; i < R; i++) {
+        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (size_t sb = 0; sb < W->cols / CISM_QK_K; sb++) {
+        const int8_t *x = a + CISM_QK_K * sb;
+        const __m256 as = _mm256_loadu_ps(A->qscale + t * A->ldqs + 8 * sb);
+        __m256i asum = _mm256_setzero_si256();
+        if (S == CISM_Q4K) {
+            __m256i v[8];
+            for (int j = 0; j < 8; j++)
+                v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1),
+                                                              _mm256_loadu_si256((const __m256i *)(x + 32 * j))), ones);
+            asum = hsum8x8(v);
+        }
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = rows[i] + sb * bb;
+            __m256i v[8];
+            if (S == CISM_Q4K) {
+                for (int j = 0; j < 8; j++)
+                    v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(kq_codes32(S, blk, j),
+                                                                  _mm256_loadu_si256((const __m256i *)(x + 32 * j))), ones);
+                const __m128i b = q4k_scale_bytes(blk + CISM_Q4_K_SCALES);
+                int32_t dd;
+                memcpy(&dd, blk + CISM_Q4_K_D, 4);
+                const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));
+                const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(d2)), dmin = _mm256_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(d2)));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_mullo_epi32(hsum8x8(v), _mm256_cvtepu8_epi32(b)));
+                const __m256 g = _mm256_cvtepi32_ps(_mm256_mullo_epi32(asum, _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+                acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, as), acc[i]);
+                acc[i] = _mm256_fmadd_ps(g, _mm256_xor_ps(_mm256_mul_ps(dmin, as), _mm256_set1_ps(-0.0f)), acc[i]);
+            } else {
+                /* the int8 scales, each duplicated into both halves of a dword */
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES));
+                const __m256i s0 = _mm256_cvtepi8_epi32(sc), s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
+                const __m256i dup[2] = {_mm256_or_si256(_mm256_and_si256(s0, m16), _mm256_slli_epi32(s0, 16)),
+                                        _mm256_or_si256(_mm256_and_si256(s1, m16), _mm256_slli_epi32(s1, 16))};
+                for (int j = 0; j < 8; j++) {
+                    const __m256i xa = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(kq_codes32(S, blk, j), xa),
+                                                       _mm256_maddubs_epi16(_mm256_set1_epi8(32), xa));
+                    const int k = 2 * j % 8; /* scales 2j, 2j + 1 for the run's two halves */
+                    const __m256i s = _mm256_permutevar8x32_epi32(dup[j / 4], _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1));
+                    v[j] = _mm256_madd_epi16(p, s);
+                }
+                uint16_t h;
+                memcpy(&h, blk + CISM_Q6_K_D, 2);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8x8(v)), _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), as), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        /* cism_reduce8: lanes j + (j + 4), then the halves' pairs */
+        const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        Y[t * ldy + r + i * rs] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
+}
+
+ALWAYS_INLINE void gemm_kq8_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                                float *Y, size_t ldy) {
+    if (T == 1) { /* 8 streams spread over the rows */
+        const size_t L = (r1 - r0) / 8;
+        for (size_t j = 0; j < L; j++) kq8_rows(S, 8, W, r0 + j, L, A, 0, Y, ldy);
+        for (size_t r = r0 + 8 * L; r < r1; r++) kq8_rows(S, 1, W, r, 1, A, 0, Y, ldy);
+        return;
+    }
+    /* 4 rows at a time, which stay in L1 while a chunk of tokens goes by */
+    for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
+        const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
+        size_t r = r0;
+        for (; r + 4 <= r1; r += 4)
+            for (size_t t = t0; t < t1; t++) kq8_rows(S, 4, W, r, 1, A, t, Y, ldy);
+        for (; r < r1; r++)
+            for (size_t t = t0; t < t1; t++) kq8_rows(S, 1, W, r, 1, A, t, Y, ldy);
+    }
+}
+
+static void gemm_q4k_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
+                             size_t ldy) {
+    gemm_kq8_tpl(CISM_Q4K, W, r0, r1, A, T, Y, ldy);
+}
+static void gemm_q6k_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
+                             size_t ldy) {
+    gemm_kq8_tpl(CISM_Q6K, W, r0, r1, A, T, Y, ldy);
+}
+
 /* ---- attention helpers and activation quantization ---- */
 
 static float dot_avx2(const float *a, const float *b, size_t n) {
@@ -1244,9 +1478,13 @@ void cism_fill_gemm_avx2(cism_kernels *k) {
     k->gemm[CISM_INT8] = gemm_int8_avx2;
     k->gemm[CISM_INT4] = gemm_int4_avx2;
     k->gemm[CISM_FP4] = gemm_fp4_avx2;
+    k->gemm[CISM_Q4K] = gemm_q4k_avx2;
+    k->gemm[CISM_Q6K] = gemm_q6k_avx2;
     k->gemm_int8_q8 = gemm_int8_q8_avx2;
     k->gemm_int4_q8 = gemm_int4_q8_avx2;
     k->gemm_fp4_q8 = gemm_fp4_q8_avx2;
+    k->gemm_q4k_q8 = gemm_q4k_q8_avx2;
+    k->gemm_q6k_q8 = gemm_q6k_q8_avx2;
     k->dot = dot_avx2;
     k->axpy = axpy_avx2;
     k->axpy_tile = axpy_tile_avx2;

@@ -1219,7 +1219,7 @@ ALWAYS_INLINE void kq8_token(const int S, const int VNNI, const cism_act *A, siz
         for (int c = 0; c < 4; c++) v[c] = dot4_acc(VNNI, zero, _mm512_set1_epi8(1), k->a[c]);
         k->side = _mm512_inserti64x4(zero, pair_lanes(lane_sums4x4(v)), 1);
         const __m256 o = _mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q4K_ORDER));
-        k->scale = join8(o, _mm256_sub_ps(_mm256_setzero_ps(), o));
+        k->scale = join8(o, _mm256_xor_ps(o, _mm256_set1_ps(-0.0f))); /* dmin * -as = -(dmin * as) */
     } else {
         for (int c = 0; c < 4; c++) {
             k->a[c] = x[c];
