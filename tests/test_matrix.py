@@ -610,7 +610,7 @@ def test_row_and_sizes():
     assert Matrix(W, "int4").nbytes == 10 * 3 * (16 + 4)
     assert Matrix(W, "fp4").nbytes == 10 * 5 * (8 + 1)
     for s in ("int4", "fp4"):
-        with pytest.raises(ValueError, match="row\\(\\) needs fp32, fp16 or int8"):
+        with pytest.raises(ValueError, match="row\\(\\) needs fp32, fp16, int8, q4_k or q6_k"):
             Matrix(W, s).row(0)
     with pytest.raises(ValueError, match="out of range"):
         Matrix(W, "fp32").row(10)
