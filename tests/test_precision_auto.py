@@ -101,3 +101,20 @@ def test_cli_info_shows_each_type_and_what_it_became(capsys):
     assert cli.main(["info", "--model", Q4_K_M, "--precision", "int8", "--json"]) == 0
     tensors = json.loads(capsys.readouterr().out)["model"]["tensors"]
     assert {(t["source"], t["storage"]) for t in tensors.values()} == {("Q4_K", "int8"), ("Q6_K", "int8")}
+
+
+@pytest.mark.parametrize("name", ["Q4_K_M", "IQ4_XS", "Q5_K_M", "Q2_K"])
+def test_kquant_files_generate_from_the_cli_as_from_the_api(name, capsys):
+    """The default (auto) from the command line: the tokens of the API's
+    greedy session on the same file."""
+    import json
+
+    from cism import cli
+    path = os.path.join(DATA, f"tiny-llama.{name}.gguf")
+    assert cli.main(["generate", "--model", path, "--prompt", "hello", "--max-new-tokens", "6",
+                     "--threads", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = cism.load(path, threads=2)
+    ids = model.tokenizer.encode("hello")
+    assert out["tokens"] == model.create_session(ids, 6).next_tokens(6)
+    assert out["prompt_tokens"] == len(ids)
