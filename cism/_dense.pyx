@@ -38,8 +38,8 @@ from cism._common import FINISH_NAMES
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int, rope_divisors
 from cism._threads import resolve_threads
-from cism._weights import (PRECISIONS, as_float, check_kv_precision, check_precisions, check_storages,
-                           check_weights, rope_tables)
+from cism._weights import (PRECISIONS, check_kv_precision, check_precisions, check_storages,
+                           check_weights, load_float, rope_tables)
 from cism.sampling import check_seed
 
 cnp.import_array()
@@ -129,8 +129,8 @@ cdef class DenseModel(WeightStore):
         shapes = weight_shapes(config, has_head)
         arrays = check_weights(weights, shapes)
         if config.tied and has_head:
-            if not np.array_equal(as_float(arrays["lm_head.weight"]),
-                                  as_float(arrays["model.embed_tokens.weight"])):
+            if not np.array_equal(load_float(arrays["lm_head.weight"], "lm_head.weight"),
+                                  load_float(arrays["model.embed_tokens.weight"], "model.embed_tokens.weight")):
                 raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
 
         c = config

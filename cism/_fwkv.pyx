@@ -35,7 +35,7 @@ from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGT
 from cism._common import FINISH_NAMES
 
 from cism import _kernels
-from cism._weights import PRECISIONS, check_precisions, check_weights
+from cism._weights import PRECISIONS, check_precisions, check_weights, load_float
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
@@ -136,7 +136,8 @@ cdef class FwkvModel(WeightStore):
             L.ffn0 = self._matrix(p + "ffn.0.weight", arrays, mlp)[0]
             L.ffn2 = self._matrix(p + "ffn.2.weight", arrays, mlp)[0]
             # the decay depends on the weights only: once here, not per token
-            arrays[p + "w"] = np.minimum(np.maximum(_kernels.activation("sigmoid", arrays[p + "w"]),
+            w = load_float(arrays[p + "w"], p + "w")
+            arrays[p + "w"] = np.minimum(np.maximum(_kernels.activation("sigmoid", w),
                                                     floor), np.float32(0.999))
             L.decay = self._vector(p + "w", arrays)
             L.norm_wkv_w = self._vector(p + "norm_wkv.weight", arrays)
@@ -149,7 +150,7 @@ cdef class FwkvModel(WeightStore):
         self.set_act_precision(act_precision)
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
+        cdef Matrix m = self.add_any_matrix(name, arrays[name], storage, self.c.threads)
         return &m.mat
 
     cdef const float* _vector(self, name, dict arrays) except NULL:

@@ -43,7 +43,7 @@ from cism._common import FINISH_NAMES
 
 from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
-from cism._weights import check_kv_precision, check_precisions, check_weights, rope_tables
+from cism._weights import check_kv_precision, check_precisions, check_weights, load_float, rope_tables
 from cism._threads import resolve_threads
 from cism.sampling import check_seed
 
@@ -161,7 +161,8 @@ cdef class SurjoModel(WeightStore):
         shapes = weight_shapes(config, has_head)
         arrays = check_weights(weights, shapes)
         if config.tied and has_head:
-            if not np.array_equal(arrays["lm_head.weight"], arrays["model.embed_tokens.weight"]):
+            if not np.array_equal(load_float(arrays["lm_head.weight"], "lm_head.weight"),
+                                  load_float(arrays["model.embed_tokens.weight"], "model.embed_tokens.weight")):
                 raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
 
         c = config
@@ -231,7 +232,8 @@ cdef class SurjoModel(WeightStore):
                 L.k_conv = self._vec(a + "k_conv.conv.weight", arrays)
                 L.v_conv = self._vec(a + "v_conv.conv.weight", arrays)
                 # exp(A_log) once, in double, rounded to float (stored in A_log's place)
-                arrays[a + "A_log"] = np.exp(arrays[a + "A_log"].astype(np.float64)).astype(np.float32)
+                arrays[a + "A_log"] = np.exp(load_float(arrays[a + "A_log"], a + "A_log").astype(np.float64)
+                                             ).astype(np.float32)
                 L.a_exp = self._vec(a + "A_log", arrays)
                 L.dt_bias = self._vec(a + "dt_bias", arrays)
                 L.g_bias = self._vec(a + "g_proj.1.bias", arrays)
@@ -271,12 +273,12 @@ cdef class SurjoModel(WeightStore):
         self.c.n_states = state
 
     cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = self.add_matrix(name, arrays[name], storage, self.c.threads)
+        cdef Matrix m = self.add_any_matrix(name, arrays[name], storage, self.c.threads)
         return &m.mat
 
     cdef const float* _vec(self, name, dict arrays) except NULL:
         """A float32 vector (conv weights flattened to (channels, W))."""
-        cdef cnp.ndarray a = self.add_vector(name, arrays[name].ravel())
+        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
         return <const float*>cnp.PyArray_DATA(a)
 
     cdef _build_rope(self):

@@ -27,6 +27,12 @@ cdef extern from "memscan.h" nogil:
 
 PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
 
+# Floats per row block when a lazy matrix is packed (add_any_matrix): the
+# transient of a load, against the packed weights it builds (a Llama 3
+# embedding is 1.6 GB as float32; 8 MiB keeps the load's peak near the
+# packed size while each block still spans many of pack's 256-row chunks).
+PACK_BLOCK_BYTES = 8 << 20
+
 
 def check_kv_precision(value):
     """The KV cache precisions: fp32, or fp16 (keys and values rounded to
@@ -81,22 +87,31 @@ def check_storages(storages, precision):
     return dict(storages)
 
 
-def is_ggml(value):
-    from cism.loaders.ggml_types import GgmlTensor
-    return isinstance(value, GgmlTensor)
+def is_lazy(value):
+    """Whether a weight is a lazy tensor (cism.loaders.lazy: ``shape``,
+    ``load``, ``load_rows``; read from its file when the model packs it)."""
+    from cism.loaders.lazy import FileTensor
+    return isinstance(value, FileTensor)
 
 
-def as_float(value, threads=1):
-    """A weight as float32: a tensor kept in its GGUF encoding is decoded."""
-    return value.dequantize(threads) if is_ggml(value) else value
+def load_float(value, name, threads=1):
+    """A weight as float32: a lazy tensor is read now and checked finite
+    (the spec's message naming the tensor); an array, checked already by
+    check_weights, is returned as it is."""
+    if not is_lazy(value):
+        return value
+    a = value.load(threads)
+    if not all_finite(a):
+        raise ValueError(f"non-finite weight: {name}")
+    return a
 
 
 def weight_array(value, name, shape):
     """A float tensor of the expected shape as C-contiguous finite float32,
-    else ValueError with the spec's message naming the tensor. A GGUF
-    tensor kept encoded (GgmlTensor) is checked for shape here and for
-    finite values when the model packs it."""
-    if is_ggml(value):
+    else ValueError with the spec's message naming the tensor. A lazy
+    tensor is checked for shape here and for finite values when the model
+    reads it (add_any_matrix, add_vector, load_float)."""
+    if is_lazy(value):
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"missing or incorrectly sized weight: {name} "
                              f"(expected shape {tuple(shape)}, got {tuple(value.shape)})")
@@ -245,28 +260,35 @@ cdef class WeightStore:
         return m
 
     cdef object add_any_matrix(self, name, value, storage, int threads):
-        """add_matrix for a float array or a GGUF tensor kept encoded: packed
-        as the file has it when `storage` is its native storage (q4_k,
-        q6_k), else decoded (one tensor's floats at a time) and packed."""
+        """add_matrix for a float array or a lazy tensor. A lazy tensor is
+        kept as the file has it when `storage` is its native storage (a
+        GGUF's Q4_K, Q6_K), else read, checked and packed a block of rows
+        at a time (PACK_BLOCK_BYTES of floats): loading never holds more
+        than one block of a matrix as float32. An allocation the OS refuses
+        is a MemoryError naming the file and the tensor."""
         from cism.loaders.ggml_types import NATIVE
+        from cism._oom import memory_for
         cdef Matrix m
-        if not is_ggml(value):
+        if not is_lazy(value):
             return self.add_matrix(name, value, storage, threads)
-        if NATIVE.get(value.type_id) == storage:
-            rows, cols = value.shape
-            floats = value.dequantize(threads)   # (its finite check only; freed at once)
-            if not all_finite(floats):
-                raise ValueError(f"non-finite weight: {name}")
-            del floats
-            m = Matrix.from_ggml(value.type_id, value.raw, rows, cols, threads=threads)
-            self.keep.append(m)
-            self.matrices[name] = m
-            self.weight_bytes_ += m.nbytes
-            return m
-        floats = value.dequantize(threads)
-        if not all_finite(floats):
-            raise ValueError(f"non-finite weight: {name}")
-        return self.add_matrix(name, floats, storage, threads)
+        rows, cols = value.shape
+        with memory_for(value.path, f"packing tensor {value.name!r} ({rows}x{cols} as {storage}; "
+                                    f"{self.weight_bytes_} bytes packed so far)"):
+            if NATIVE.get(value.type_id) == storage:
+                return self.add_ggml_matrix(name, value.type_id, value.raw(), rows, cols, threads)
+            m = Matrix.empty(rows, cols, storage)
+            # whole 256-row chunks, at least one per thread (pack's parallel unit)
+            step = max(256 * threads, PACK_BLOCK_BYTES // (4 * cols) // 256 * 256)
+            for r0 in range(0, rows, step):
+                block = value.load_rows(r0, min(rows, r0 + step), threads)
+                if not all_finite(block):
+                    raise ValueError(f"non-finite weight: {name}")
+                m.pack_rows(r0, block, threads)
+                del block
+        self.keep.append(m)
+        self.matrices[name] = m
+        self.weight_bytes_ += m.nbytes
+        return m
 
     def storage_report(self):
         """HF name -> (source type, storage) of every packed matrix: the
@@ -277,8 +299,9 @@ cdef class WeightStore:
                 for name, m in self.matrices.items()}
 
     cdef object add_vector(self, name, values):
-        """Keep a float32 copy of a vector (norms, biases); returns the array."""
-        a = np.ascontiguousarray(values, dtype=np.float32).copy()
+        """Keep a flat float32 copy of a vector (norms, biases, conv taps; a
+        lazy tensor is read and checked here); returns the array."""
+        a = np.ascontiguousarray(load_float(values, name), dtype=np.float32).reshape(-1).copy()
         self.keep.append(a)
         self.weight_bytes_ += a.nbytes
         return a

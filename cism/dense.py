@@ -179,7 +179,7 @@ class Model(GenerationMixin, DenseModel):
     text generation (generate/stream) with the checkpoint's tokenizer."""
 
     config_class = Config
-    takes_ggml_tensors = True    # GGUF matrices arrive encoded (packed natively or decoded one by one)
+    takes_ggml_tensors = True    # precision "auto" picks a storage per GGUF tensor type (q4_k/q6_k kept)
 
     @classmethod
     def from_pretrained(cls, path, precision="auto", threads=None, act_precision="fp32",

@@ -255,6 +255,15 @@ cdef object numpy_view(object owner, void *data, int ndim, cnp.npy_intp *shape, 
     return arr
 
 
+def _check_dims(rows, cols):
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be in [1, {MAX_ROWS}], got {rows}")
+    if not 1 <= cols <= MAX_COLS:
+        raise ValueError(f"cols must be in [1, {MAX_COLS}], got {cols}")
+    if rows * cols * 4 > MAX_SOURCE_BYTES:
+        raise ValueError("matrix exceeds the 64 GiB weight safety limit")
+
+
 def _storage_index(storage):
     if isinstance(storage, str) and storage in GGML_NATIVE.values():
         raise ValueError(f"storage {storage!r} holds a GGUF file's own blocks: build it with "
@@ -312,6 +321,50 @@ def bf16_available():
     return bf16_ready()
 
 
+cdef matrix_alloc(Matrix m, int s, size_t R, size_t C):
+    """Zeroed buffers for an R x C matrix of float storage s."""
+    m.storage_name = STORAGES[s]
+    m.act_mode = ACT_FP32
+    cdef size_t row_bytes = cism_row_bytes(s, C)
+    cdef size_t nscales = R if s == CISM_INT8 else 0
+    m.codes_buf = alloc_zeroed(R * row_bytes)
+    if nscales:
+        m.scales_buf = <float*>alloc_zeroed(nscales * sizeof(float))
+    if m.codes_buf == NULL or (nscales and m.scales_buf == NULL):
+        raise MemoryError(f"cannot allocate a {R}x{C} {m.storage_name} matrix "
+                          f"({R * row_bytes + nscales * 4} bytes)")
+    m.nbytes_ = R * row_bytes + nscales * sizeof(float)
+    m.mat.storage = s
+    m.mat.rows = R
+    m.mat.cols = C
+    m.mat.codes = m.codes_buf
+    m.mat.row_bytes = row_bytes
+    m.mat.scale_offset = cism_code_bytes(s, C) if (s == CISM_INT4 or s == CISM_FP4) else 0
+    m.mat.scales = m.scales_buf
+
+cdef matrix_pack(Matrix m, values, size_t first, int nt):
+    """Pack the float32 rows ``values`` (C-contiguous, n x cols) as rows
+    [first, first + n): rows are independent (csrc/pack.h), so a matrix
+    packed a block of rows at a time holds the same bytes."""
+    cdef int s = m.mat.storage
+    cdef size_t C = m.mat.cols, n = values.shape[0]
+    cdef const float *src = <const float*>cnp.PyArray_DATA(values)
+    # the block's rows are rows [0, n) of a matrix starting at row `first`
+    cdef uint8_t *codes = <uint8_t*>m.codes_buf + first * m.mat.row_bytes
+    cdef float *scales = m.scales_buf + first if m.scales_buf != NULL else NULL
+    cdef size_t c, nchunks = cism_div_up(n, 256), r0, r1
+    with nogil:
+        if nt > 1 and nchunks > 1:
+            for c in prange(nchunks, schedule='dynamic', num_threads=nt):
+                r0 = c * 256
+                r1 = r0 + 256
+                if r1 > n:
+                    r1 = n
+                cism_pack_rows(s, src, C, r0, r1, codes, scales)
+        else:
+            cism_pack_rows(s, src, C, 0, n, codes, scales)
+
+
 cdef class Matrix:
     """A packed weight matrix.
 
@@ -338,46 +391,39 @@ cdef class Matrix:
         if not values.flags.c_contiguous:
             raise ValueError("values must be C-contiguous (use numpy.ascontiguousarray)")
         rows, cols = values.shape
-        if not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"rows must be in [1, {MAX_ROWS}], got {rows}")
-        if not 1 <= cols <= MAX_COLS:
-            raise ValueError(f"cols must be in [1, {MAX_COLS}], got {cols}")
-        if rows * cols * 4 > MAX_SOURCE_BYTES:
-            raise ValueError("matrix exceeds the 64 GiB weight safety limit")
+        _check_dims(rows, cols)
         if check_finite and not np.isfinite(values).all():
             bad = np.argwhere(~np.isfinite(values))[0]
             raise ValueError(f"values must be finite; found {values[tuple(bad)]} at {tuple(bad)}")
-        self.storage_name = STORAGES[s]
-        self.act_mode = ACT_FP32
-        cdef size_t R = rows, C = cols
-        cdef size_t row_bytes = cism_row_bytes(s, C)
-        cdef size_t nscales = R if s == CISM_INT8 else 0
-        self.codes_buf = alloc_zeroed(R * row_bytes)
-        if nscales:
-            self.scales_buf = <float*>alloc_zeroed(nscales * sizeof(float))
-        if self.codes_buf == NULL or (nscales and self.scales_buf == NULL):
-            raise MemoryError(f"cannot allocate a {rows}x{cols} {self.storage_name} matrix "
-                              f"({R * row_bytes + nscales * 4} bytes)")
-        self.nbytes_ = R * row_bytes + nscales * sizeof(float)
-        self.mat.storage = s
-        self.mat.rows = R
-        self.mat.cols = C
-        self.mat.codes = self.codes_buf
-        self.mat.row_bytes = row_bytes
-        self.mat.scale_offset = cism_code_bytes(s, C) if (s == CISM_INT4 or s == CISM_FP4) else 0
-        self.mat.scales = self.scales_buf
-        cdef const float *src = <const float*>cnp.PyArray_DATA(values)
-        cdef size_t c, nchunks = cism_div_up(R, 256), r0, r1
-        with nogil:
-            if nt > 1 and nchunks > 1:
-                for c in prange(nchunks, schedule='dynamic', num_threads=nt):
-                    r0 = c * 256
-                    r1 = r0 + 256
-                    if r1 > R:
-                        r1 = R
-                    cism_pack_rows(s, src, C, r0, r1, self.codes_buf, self.scales_buf)
-            else:
-                cism_pack_rows(s, src, C, 0, R, self.codes_buf, self.scales_buf)
+        matrix_alloc(self, s, rows, cols)
+        matrix_pack(self, values, 0, nt)
+
+    @staticmethod
+    def empty(rows, cols, storage="fp32"):
+        """A ``rows x cols`` matrix of a float storage holding zeros, for
+        ``pack_rows`` to fill a block of rows at a time (a model loading
+        tensor by tensor never holds a whole matrix of floats)."""
+        cdef int s = _storage_index(storage)
+        _check_dims(rows, cols)
+        cdef Matrix m = Matrix.__new__(Matrix)
+        matrix_alloc(m, s, rows, cols)
+        return m
+
+    def pack_rows(self, first, values, threads=None):
+        """Pack the C-contiguous float32 ``(n, cols)`` array ``values`` into
+        rows ``[first, first + n)``: the bytes ``Matrix(whole, storage)``
+        gives those rows. Values are not checked (the caller checks them)."""
+        cdef int nt = resolve_threads(threads)
+        if self.storage_name not in FLOAT_STORAGES:
+            raise ValueError(f"a {self.storage_name} matrix holds a GGUF file's own blocks, not packed floats")
+        if (not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 2
+                or not values.flags.c_contiguous or values.shape[1] != self.mat.cols):
+            raise ValueError(f"values must be a C-contiguous float32 (n, {self.mat.cols}) array")
+        if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or first < 0 \
+                or first + values.shape[0] > self.mat.rows:
+            raise ValueError(f"rows [{first}, {first} + {values.shape[0]}) lie outside the "
+                             f"{self.mat.rows}-row matrix")
+        matrix_pack(self, values, first, nt)
 
     @staticmethod
     def from_ggml(type_name_or_id, raw, rows, cols, threads=None, *, check_finite=True):

@@ -1,6 +1,7 @@
 """Checkpoint loaders: Hugging Face directories, GGUF files and llama2.c .bin
 files, each turned into one ``Checkpoint`` (an HF-style config dict plus float32
-weights under HF tensor names).
+weights under HF tensor names, or lazy tensors that the model reads one at a
+time as it packs them: lazy.FileTensor).
 
 Loaders check the FILE (format, sizes, dtypes, shapes against the file's own
 header, paths staying inside the model directory) and raise CheckpointError,
@@ -38,27 +39,29 @@ def _kind(path):
     return "llama2c"         # the legacy format has no magic: its header and size are checked
 
 
-def load_checkpoint(path, keep_quantized=False):
+def load_checkpoint(path, keep_quantized=False, lazy=False):
     """Load any supported checkpoint: a directory is a Hugging Face model, a file
     starting with "GGUF" (or named *.gguf) is GGUF, anything else must be a
-    llama2.c .bin whose header matches its size exactly. ``keep_quantized``:
-    a GGUF's quantised matrices stay encoded (load_gguf)."""
+    llama2.c .bin whose header matches its size exactly. Weights are float32
+    arrays; with ``lazy`` (or its older name ``keep_quantized``) they are
+    lazy.FileTensors, checked against the file but not read."""
     path = os.fspath(path)
+    lazy = lazy or keep_quantized
     with memory_for(path, "loading the checkpoint"):
         kind = _kind(path)
         if kind == "hf":
-            return load_hf_dir(path)
+            return load_hf_dir(path, lazy=lazy)
         if kind == "gguf":
-            return load_gguf(path, keep_quantized=keep_quantized)
-        return load_llama2c(path)
+            return load_gguf(path, lazy=lazy)
+        return load_llama2c(path, lazy=lazy)
 
 
 def build_pretrained(model_class, path, precision, threads, act_precision, **options):
     """Load a checkpoint and build a model_class from it (every family's
-    Model.from_pretrained; options go to the model's constructor): the
-    checkpoint's float32 arrays are released once the packed matrices hold
-    the weights. A GGUF's quantised matrices are decoded one at a time as
-    they are packed (or packed natively), never all at once.
+    Model.from_pretrained; options go to the model's constructor). The
+    model reads every tensor lazily as it packs it (lazy.FileTensor), a row
+    block at a time, so no whole-model float32 copy exists; a GGUF's Q4_K
+    and Q6_K matrices may be packed in their own encoding.
 
     precision "auto" (or its synonym "native"): each GGUF tensor keeps its
     file encoding where cism has a native storage for it, and otherwise
@@ -66,7 +69,7 @@ def build_pretrained(model_class, path, precision, threads, act_precision, **opt
     loads at fp32."""
     path = os.fspath(path)
     with memory_for(path, "loading the checkpoint"):
-        ckpt = load_checkpoint(path, keep_quantized=getattr(model_class, "takes_ggml_tensors", False))
+        ckpt = load_checkpoint(path, lazy=True)
         config = model_class.config_class.from_hf(ckpt.config)
         if precision in ("auto", "native"):
             if ckpt.types and getattr(model_class, "takes_ggml_tensors", False):
@@ -78,7 +81,7 @@ def build_pretrained(model_class, path, precision, threads, act_precision, **opt
             model = model_class(config, ckpt.weights, precision=precision, threads=threads,
                                 act_precision=act_precision, **options)
         model.source = ckpt
-        ckpt.weights = None  # the packed matrices hold everything now
+        ckpt.weights = None  # the packed matrices hold everything now (and no file stays open)
     return model
 
 

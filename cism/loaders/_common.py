@@ -31,7 +31,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: dict            # HF config.json-style, always with "model_type"
     weights: dict           # HF tensor name -> float32 C-contiguous ndarray, HF shape
-                            # (or a ggml_types.GgmlTensor: a GGUF load that keeps encodings)
+                            # (or a lazy.FileTensor, read when packed: a lazy load)
     path: str               # the directory or file that was loaded
     format: str             # "hf" | "gguf" | "llama2c"
     tokenizer: dict | None  # {"kind": "hf_dir"|"gguf"|"llama2c", "path": ...} or None

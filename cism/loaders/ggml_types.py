@@ -148,35 +148,6 @@ def dequantize_into_reference(type_id, raw, out):
             decode(raw[b * block_bytes:(b + step) * block_bytes], out[b * block:(b + step) * block])
 
 
-class GgmlTensor:
-    """A 2-D GGUF tensor kept in its file encoding: ``raw`` holds ``rows``
-    rows of whole blocks (uint8, (rows, row_bytes)). The model packs it
-    natively (Q4_K, Q6_K) or decodes it, one tensor at a time, into the
-    storage it asked for, so a quantised file never exists as float32 whole."""
-
-    def __init__(self, type_id, raw, shape):
-        self.type_id = type_id
-        self.raw = raw
-        self.shape = tuple(shape)
-
-    @property
-    def type_name(self):
-        return type_name(self.type_id)
-
-    @property
-    def nbytes(self):
-        return self.raw.nbytes
-
-    def dequantize(self, threads=1):
-        """float32 (rows, cols), bit-identical to gguf-py's dequantisation."""
-        out = np.empty(self.shape, np.float32)
-        dequantize_into(self.type_id, self.raw.reshape(-1), out.reshape(-1), threads)
-        return out
-
-    def __repr__(self):
-        return f"GgmlTensor({self.type_name}, shape={self.shape})"
-
-
 # precision "auto": the storage a tensor of each type gets. Its own encoding
 # where cism has a native storage (NATIVE, when the matrix module has it);
 # else the nearest cism storage that loses nothing that matters: int8 for

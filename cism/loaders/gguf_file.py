@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ggml_types
-from ._common import (Checkpoint, CheckpointError, check_addressable, file_size, memory_for,
-                      open_file, read_into, rotary_interleaved_to_halves)
+from ._common import Checkpoint, CheckpointError, check_addressable, file_size, open_file, read_into
+from .lazy import FileTensor
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -421,13 +421,14 @@ def hf_name(path, name):
     raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen2/qwen3 models", name)
 
 
-def load_gguf(path, threads=None, keep_quantized=False):
+def load_gguf(path, threads=None, keep_quantized=False, lazy=False):
     """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
 
-    ``keep_quantized``: every 2-D tensor of a quantised type stays in its
-    file encoding instead, as a ggml_types.GgmlTensor (llama's q/k rows
-    reordered all the same: ggml blocks never cross rows), for the model to
-    pack natively or decode tensor by tensor.
+    ``lazy`` (or its older name ``keep_quantized``): every tensor is a
+    lazy.FileTensor instead, read and decoded only when the model packs it
+    (a quantised matrix can also be packed in its own encoding, Q4_K and
+    Q6_K); llama's q/k rows are reordered all the same (ggml blocks never
+    cross rows).
 
     ``threads`` (None = the process default) only changes the speed: every
     element is decoded by the same block-local C expression (csrc/ggml.h).
@@ -472,34 +473,19 @@ def load_gguf(path, threads=None, keep_quantized=False):
                 raise CheckpointError(path, f"shape {info.shape} cannot be split into {n} heads "
                                       "of rotary pairs", info.name)
 
-    # One tensor at a time in file order (sequential reads): its bytes, then
-    # its floats decoded by the OpenMP threads inside ggml_decode. No Python
-    # thread runs here: under an exhausted address space a worker thread's
-    # own failure (outside any job) ended the process in CPython's
-    # thread excepthook; every allocation and every error now stays in the
-    # calling thread, named by memory_for.
-    weights = {}
-    with open_file(path) as f:
-        for info, target in sorted(plan, key=lambda p: p[0].offset):
-            with memory_for(path, f"loading tensor {info.name!r} ({info.nbytes} bytes)"):
-                raw = np.empty(info.nbytes, np.uint8)
-            read_into(f, info.offset, raw, path, f"tensor {info.name!r}")
-            if keep_quantized and info.type_id not in _FLOAT_TYPES and len(info.shape) == 2:
-                raw = raw.reshape(info.shape[0], -1)
-                if target in heads_of:
-                    raw = rotary_interleaved_to_halves(raw, heads_of[target])
-                weights[target] = ggml_types.GgmlTensor(info.type_id, raw, info.shape)
-                continue
-            size = math.prod(info.shape)
-            with memory_for(path, f"loading tensor {info.name!r} ({4 * size} bytes as float32)"):
-                out = np.empty(info.shape, np.float32)
-            ggml_types.dequantize_into(info.type_id, raw, out.reshape(-1), threads)
-            del raw
-            if target in heads_of:
-                with memory_for(path, f"loading tensor {info.name!r} (its rotary pairs reordered)"):
-                    out = rotary_interleaved_to_halves(out, heads_of[target])
-            weights[target] = out
-    weights = {target: weights[target] for _, target in plan}   # the file's order
+    weights = {target: FileTensor(path, info.name, info.type_id, info.offset, info.shape,
+                                  heads_of.get(target))
+               for info, target in plan}
+    if not (lazy or keep_quantized):
+        # One tensor at a time in file order (sequential reads): its bytes,
+        # then its floats decoded by the OpenMP threads inside ggml_decode.
+        # No Python thread runs here: under an exhausted address space a
+        # worker thread's own failure (outside any job) ended the process in
+        # CPython's thread excepthook; every allocation and every error stays
+        # in the calling thread, named by memory_for.
+        loaded = {target: weights[target].load(threads)
+                  for _, target in sorted(plan, key=lambda p: p[0].offset)}
+        weights = {target: loaded.pop(target) for _, target in plan}   # the file's order
     return Checkpoint(config=config, weights=weights, path=path, format="gguf",
                       tokenizer=_tokenizer(path, meta),
                       types={target: ggml_types.type_name(info.type_id) for info, target in plan})

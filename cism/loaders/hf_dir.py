@@ -4,7 +4,8 @@ directories all load here; tensor names are whatever the files hold."""
 import os
 
 from ._common import Checkpoint, CheckpointError, file_in_dir, read_small_file
-from .safetensors_file import parse_json, read_header, read_tensors
+from .lazy import load_all
+from .safetensors_file import lazy_tensors, parse_json, read_header
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
@@ -122,8 +123,9 @@ def _weight_files(directory):
     raise CheckpointError(directory, f"no {SINGLE_NAME}, {INDEX_NAME} or other *.safetensors file{hint}")
 
 
-def load_hf_dir(path):
-    """A Hugging Face model directory -> Checkpoint (format "hf")."""
+def load_hf_dir(path, lazy=False):
+    """A Hugging Face model directory -> Checkpoint (format "hf"): float32
+    arrays, or with ``lazy`` lazy.FileTensors read when the model packs them."""
     directory = os.fspath(path)
     _check_dir(directory)
     config = _read_config(directory)
@@ -148,7 +150,9 @@ def load_hf_dir(path):
 
     weights = {}
     for shard, entries in headers.items():
-        weights.update(read_tensors(shard, entries))
+        weights.update(lazy_tensors(shard, entries))
+    if not lazy:
+        weights = load_all(weights)
 
     tokenizer = None
     if any(os.path.isfile(os.path.join(directory, n)) for n in _TOKENIZER_FILES):

@@ -22,10 +22,9 @@ import math
 import os
 import struct
 
-import numpy as np
-
-from ._common import (Checkpoint, CheckpointError, file_size, memory_for, open_file, read_into,
-                      rotary_interleaved_to_halves)
+from ._common import Checkpoint, CheckpointError, file_size, open_file
+from .ggml_types import F32
+from .lazy import FileTensor, load_all
 
 MAGIC_V1 = 0x616B3432
 HEADER_V1 = 256
@@ -159,40 +158,43 @@ def _find_tokenizer(path, tokenizer_path):
     return None
 
 
-def load_llama2c(path, tokenizer_path=None):
-    """A llama2.c .bin checkpoint -> Checkpoint (format "llama2c")."""
-    path, version, p, tied, offset, layout, floats = _checked(path)
+def load_llama2c(path, tokenizer_path=None, lazy=False):
+    """A llama2.c .bin checkpoint -> Checkpoint (format "llama2c"): float32
+    arrays, or with ``lazy`` lazy.FileTensors read when the model packs them."""
+    path, version, p, tied, offset, layout, _ = _checked(path)
     tokenizer = _find_tokenizer(path, tokenizer_path)
 
-    # One read into one buffer; the per-layer weights are views of it except
-    # wq and wk, which the rotary reordering copies.
-    with memory_for(path, f"loading the weights ({4 * floats} bytes)"):
-        data = np.empty(floats, "<f4")
-    with open_file(path) as f:
-        read_into(f, offset, data, path, "the weights")
-    data = data.astype(np.float32, copy=False)   # a no-op on little-endian hosts
-    parts = {}
-    at = 0
+    # Every per-layer matrix is one slice of the file (wq and wk reordered
+    # for rotate-half rotary as they are read).
+    start = {}
+    at = offset
     for key, shape in layout:
-        n = math.prod(shape)
-        parts[key] = data[at:at + n].reshape(shape)
-        at += n
+        start[key] = (at, shape)
+        at += 4 * math.prod(shape)
 
-    heads, kv_heads = p["n_heads"], p["n_kv_heads"]
-    weights = {"model.embed_tokens.weight": parts["embed"]}
+    def tensor(key, i=None, heads=None):
+        at, shape = start[key]
+        if i is not None:
+            shape = shape[1:]
+            at += 4 * math.prod(shape) * i
+        return FileTensor(path, key if i is None else f"{key}[{i}]", F32, at, shape, heads)
+
+    weights = {"model.embed_tokens.weight": tensor("embed")}
     for i in range(p["n_layers"]):
         pre = f"model.layers.{i}."
-        weights[pre + "input_layernorm.weight"] = parts["rms_att"][i]
-        weights[pre + "self_attn.q_proj.weight"] = rotary_interleaved_to_halves(parts["wq"][i], heads)
-        weights[pre + "self_attn.k_proj.weight"] = rotary_interleaved_to_halves(parts["wk"][i], kv_heads)
-        weights[pre + "self_attn.v_proj.weight"] = parts["wv"][i]
-        weights[pre + "self_attn.o_proj.weight"] = parts["wo"][i]
-        weights[pre + "post_attention_layernorm.weight"] = parts["rms_ffn"][i]
-        weights[pre + "mlp.gate_proj.weight"] = parts["w1"][i]
-        weights[pre + "mlp.down_proj.weight"] = parts["w2"][i]
-        weights[pre + "mlp.up_proj.weight"] = parts["w3"][i]
-    weights["model.norm.weight"] = parts["rms_final"]
+        weights[pre + "input_layernorm.weight"] = tensor("rms_att", i)
+        weights[pre + "self_attn.q_proj.weight"] = tensor("wq", i, p["n_heads"])
+        weights[pre + "self_attn.k_proj.weight"] = tensor("wk", i, p["n_kv_heads"])
+        weights[pre + "self_attn.v_proj.weight"] = tensor("wv", i)
+        weights[pre + "self_attn.o_proj.weight"] = tensor("wo", i)
+        weights[pre + "post_attention_layernorm.weight"] = tensor("rms_ffn", i)
+        weights[pre + "mlp.gate_proj.weight"] = tensor("w1", i)
+        weights[pre + "mlp.down_proj.weight"] = tensor("w2", i)
+        weights[pre + "mlp.up_proj.weight"] = tensor("w3", i)
+    weights["model.norm.weight"] = tensor("rms_final")
     if not tied:
-        weights["lm_head.weight"] = parts["wcls"]
+        weights["lm_head.weight"] = tensor("wcls")
+    if not lazy:
+        weights = load_all(weights)
     return Checkpoint(config=_config(p, tied), weights=weights, path=path, format="llama2c",
                       tokenizer=tokenizer)

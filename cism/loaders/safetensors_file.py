@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import (CheckpointError, check_addressable, file_size, memory_for, open_file,
-                      read_into)
+from . import ggml_types
+from ._common import CheckpointError, check_addressable, file_size, open_file, read_into
+from .lazy import FileTensor, load_all
 
 # A header is a few hundred bytes per tensor; the reference implementation
 # refuses anything over 100 MB, and so do we.
@@ -132,25 +133,16 @@ def _entry(path, name, info, data_start, data_size):
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def to_float32(raw, dtype):
-    """Stored elements -> a new float32 array. bf16 is the top half of a float32,
-    so widening it is exact: shift the 16 bits into place and reinterpret."""
-    if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    if raw.dtype == np.float32:  # F32 already in native order: the buffer is ours
-        return raw
-    return raw.astype(np.float32)
+# safetensors dtype -> the ggml type of the same bytes (lazy.FileTensor decodes
+# them: bf16 widened by a shift, exact; f16 by F16C or the C reference)
+GGML_TYPE = {"F32": ggml_types.F32, "F16": ggml_types.F16, "BF16": ggml_types.BF16}
+
+
+def lazy_tensors(path, entries):
+    """name -> lazy.FileTensor for the given entries of one file (nothing read)."""
+    return {e.name: FileTensor(path, e.name, GGML_TYPE[e.dtype], e.begin, e.shape) for e in entries}
 
 
 def read_tensors(path, entries):
     """Load the given entries of one file as float32 arrays in their shapes."""
-    out = {}
-    with open_file(path) as f:
-        for e in entries:
-            stored, _ = _DTYPES[e.dtype]
-            with memory_for(path, f"loading tensor {e.name!r} ({4 * math.prod(e.shape)} bytes as float32)"):
-                raw = np.empty(math.prod(e.shape), stored)
-                read_into(f, e.begin, raw, path, f"tensor {e.name!r}")
-                out[e.name] = to_float32(raw, e.dtype).reshape(e.shape)
-    return out
-
+    return load_all(lazy_tensors(path, entries))
