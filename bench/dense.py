@@ -15,7 +15,7 @@ import sys
 
 from bench_common import default_model
 from cism import _kernels
-from cism.bench import SHAPES, format_table, measure, random_model, read_bandwidth
+from cism.bench import SHAPES, format_table, measure, random_model, read_bandwidth, timed_load
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
@@ -40,12 +40,15 @@ def main(argv=None):
     for precision in args.precision:
         for act in args.act:
             for t in args.threads:
+                load = {}
                 if path:
                     import cism
-                    model = cism.load(path, precision=precision, threads=t, act_precision=act)
+                    model, load = timed_load(lambda: cism.load(path, precision=precision, threads=t,
+                                                               act_precision=act))
                 else:
                     model = random_model(shape, precision, t, act)
-                rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats))
+                rows.append({**measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats),
+                             **load})
                 del model
     report = {"model": path or f"random {shape}", "isa": _kernels.isa(),
               "read_gb_s": {str(t): b / 1e9 for t, b in bandwidth.items()}, "results": rows}

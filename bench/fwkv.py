@@ -21,7 +21,7 @@ import os
 import sys
 
 from cism import _kernels
-from cism.bench import format_table, measure, random_fwkv, read_bandwidth
+from cism.bench import format_table, measure, random_fwkv, read_bandwidth, timed_load
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 SHAPE = "myosotis-1-base"
@@ -45,13 +45,15 @@ def main(argv=None):
     for precision in args.precision:
         for act in args.act:
             for t in args.threads:
+                load = {}
                 if args.model:
                     from cism.fwkv import Model
-                    model = Model.from_pretrained(args.model, precision=precision, threads=t,
-                                                  act_precision=act)
+                    model, load = timed_load(lambda: Model.from_pretrained(args.model, precision=precision,
+                                                                           threads=t, act_precision=act))
                 else:
                     model = random_fwkv(SHAPE, precision, t, act)
-                rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats))
+                rows.append({**measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats),
+                             **load})
                 del model
     report = {"model": args.model or f"random {SHAPE}", "isa": _kernels.isa(),
               "read_gb_s": {str(t): b / 1e9 for t, b in bandwidth.items()},

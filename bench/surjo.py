@@ -18,7 +18,7 @@ import json
 import sys
 
 from cism import _kernels
-from cism.bench import SHAPES, format_table, measure, random_surjo, read_bandwidth
+from cism.bench import SHAPES, format_table, measure, random_surjo, read_bandwidth, timed_load
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
@@ -42,14 +42,16 @@ def main(argv=None):
     for precision in args.precision:
         for act in args.act:
             for t in args.threads:
+                load = {}
                 if args.model:
                     from cism.surjo import Model
-                    model = Model.from_pretrained(args.model, precision=precision, threads=t,
-                                                  act_precision=act)
+                    model, load = timed_load(lambda: Model.from_pretrained(args.model, precision=precision,
+                                                                           threads=t, act_precision=act))
                 else:
                     model = random_surjo(args.shape, precision, t, act)
-                rows.append(measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats,
-                                    per_token=model.stream_bytes))
+                rows.append({**measure(model, bandwidth[t], args.decode_tokens, args.prompt, args.repeats,
+                                       per_token=model.stream_bytes),
+                             **load})
                 del model
     report = {"model": args.model or f"random {args.shape}", "isa": _kernels.isa(),
               "read_gb_s": {str(t): b / 1e9 for t, b in bandwidth.items()}, "results": rows}

@@ -189,13 +189,33 @@ def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5, per_t
             "roofline_ratio": decode / roofline}
 
 
+def timed_load(load):
+    """Call ``load()`` (a model loader); returns the model and its load
+    figures: wall seconds and the process's peak RSS so far (ru_maxrss, so
+    a later, smaller load in the same process shows the earlier peak;
+    bench/load.py measures each load in a fresh process)."""
+    import resource
+    start = time.perf_counter()
+    model = load()
+    seconds = time.perf_counter() - start
+    return model, {"load_s": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def format_table(rows):
-    """The human-readable table of measure() rows."""
-    lines = [f"{'precision':12} {'act':5} {'thr':>3} {'weights MB':>10} {'MB/token':>9} {'roof GB/s':>9} "
+    """The human-readable table of measure() rows (with timed_load's
+    figures when a row has them)."""
+    loads = any("load_s" in r for r in rows)
+    lines = [f"{'precision':12} {'act':5} {'thr':>3} {'weights MB':>10} "
+             + (f"{'load s':>6} {'peak RSS MB':>11} " if loads else "")
+             + f"{'MB/token':>9} {'roof GB/s':>9} "
              f"{'decode':>8} {'roofline':>9} {'ratio':>6} {'prefill':>8} {'bf16 pre':>8}"]
     for r in rows:
+        load = ""
+        if loads:
+            load = (f"{r['load_s']:6.2f} {r['peak_rss_bytes'] / 1e6:11.1f} " if "load_s" in r
+                    else f"{'-':>6} {'-':>11} ")
         lines.append(f"{r['precision']:12} {r['act_precision']:5} {r['threads']:3d} "
-                     f"{r['weight_bytes'] / 1e6:10.1f} {r['stream_bytes'] / 1e6:9.1f} "
+                     f"{r['weight_bytes'] / 1e6:10.1f} {load}{r['stream_bytes'] / 1e6:9.1f} "
                      f"{r['roof_gb_s']:9.1f} {r['decode_tok_s']:8.1f} {r['roofline_tok_s']:9.1f} "
                      f"{100 * r['roofline_ratio']:5.0f}% {r['prefill_tok_s']:8.1f} "
                      + (f"{r['prefill_bf16_tok_s']:8.1f}" if r.get("prefill_bf16_tok_s") else f"{'-':>8}"))

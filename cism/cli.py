@@ -290,14 +290,23 @@ def cmd_bench(args):
 
 # -------------------------------------------------------------------- info ---
 
+def peak_rss_bytes():
+    """The process's peak resident set so far (Linux reports KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def cmd_info(args):
     import cism
     info = cism.runtime_info()
     if args.model:
+        start = time.perf_counter()
         model = load_model(args)
+        load_seconds = time.perf_counter() - start
         info["model"] = {"path": model_path(args), "config": dict(vars(model.config)),
                          "precision": model.precision, "act_precision": model.act_precision,
                          "threads": model.thread_count, "weight_bytes": model.weight_bytes,
+                         "load_seconds": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
                          "compile_key": model.compile_key,
                          "tokenizer": repr(model.tokenizer) if model.tokenizer is not None else None,
                          "tensors": {name: {"source": src, "storage": st}
@@ -312,7 +321,8 @@ def cmd_info(args):
         for k, v in m["config"].items():
             print(f"  {k}: {v}")
         print(f"  precision: {m['precision']} (activations {m['act_precision']}), threads {m['threads']}")
-        print(f"  weight bytes: {m['weight_bytes']:,}")
+        print(f"  weight bytes: {m['weight_bytes']:,} (loaded in {m['load_seconds']:.2f} s; "
+              f"peak RSS {m['peak_rss_bytes'] / 2**20:,.0f} MiB, the process's since it started)")
         print(f"  tokenizer: {m['tokenizer']}")
         # each source type (the file's tensor type) and what it became
         mix = collections.Counter((t["source"], t["storage"]) for t in m["tensors"].values())
