@@ -239,15 +239,15 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         for (int j = 0; j < TT; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     }
     if (S == CISM_Q4K || S == CISM_Q6K) {
-        /* whole super-blocks (cols is a multiple of 256) */
-        for (size_t sb = 0; sb < n / CISM_QK_K; sb++)
-            for (int i = 0; i < R; i++) {
-                const uint8_t *blk = p[i] + sb * kq_block_bytes(S);
-                float sm[16];
-                kq_scales(S, blk, sm);
-                for (int q = 0; q < 8; q++) {
+        /* whole super-blocks (cols is a multiple of 256); the rows take
+         * turns every 32 elements, so that their fma chains overlap */
+        for (size_t sb = 0; sb < n / CISM_QK_K; sb++) {
+            float sm[MAX_R][16];
+            for (int i = 0; i < R; i++) kq_scales(S, p[i] + sb * kq_block_bytes(S), sm[i]);
+            for (int q = 0; q < 8; q++)
+                for (int i = 0; i < R; i++) {
                     __m256 w[4];
-                    kq_sub32(S, blk, sm, q, w);
+                    kq_sub32(S, p[i] + sb * kq_block_bytes(S), sm[i], q, w);
                     for (int j = 0; j < TT; j++) {
                         const float *x = X + j * ldx + CISM_QK_K * sb + 32 * q;
                         lo[i][j] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), lo[i][j]);
@@ -256,7 +256,7 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
                         hi[i][j] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), hi[i][j]);
                     }
                 }
-            }
+        }
     } else if (S == CISM_INT4 || S == CISM_FP4) {
         const size_t units = n / 32;
         for (size_t b = 0; b < units; b++) {

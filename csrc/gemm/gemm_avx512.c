@@ -202,12 +202,27 @@ ALWAYS_INLINE void kq_scales(const int S, const uint8_t *blk, float sm[16]) {
     }
 }
 
+/* The 64 codes (0..63) of Q6_K runs 2k and 2k + 1, element order: the
+ * low (k even) or high nibbles of ql[64h ...], h = k / 2, under bit pairs
+ * (0, 1) or (2, 3) of qh[32h ...], brought to bits 4-5 of the two halves
+ * from [qh | qh >> 2] (16-bit shifts: the mask drops what crosses from the
+ * neighbouring byte). */
+ALWAYS_INLINE __m512i q6k_codes64(const uint8_t *blk, int k) {
+    const int h = k / 2;
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i ql = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QL + 64 * h));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + CISM_Q6_K_QH + 32 * h));
+    const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    if (k % 2 == 0) return _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(hh, 4), m30));
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(hh, m30));
+}
+
 /* Elements 64k .. 64k + 63 of a super-block as floats, w[c] = elements
  * 64k + 16c .. +15. q4_k: sub-blocks 2k (low nibbles of qs[32k ...]) and
  * 2k + 1 (high), each the 16 values fma(dl, q, -ml) = dl * q - ml (dl * q
  * is exact, so one rounding as in the decoder) looked up with vpermps
- * (which reads an index's low 4 bits only). q6_k: runs 2k, 2k + 1 (code
- * bytes formed 64 at a time), (float)(code - 32) * dl exactly. */
+ * (which reads an index's low 4 bits only). q6_k: runs 2k, 2k + 1
+ * (q6k_codes64), (float)(code - 32) * dl exactly. */
 ALWAYS_INLINE void kq_part(const int S, const uint8_t *blk, const float sm[16], int k, __m512 w[4]) {
     if (S == CISM_Q4K) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -222,28 +237,7 @@ ALWAYS_INLINE void kq_part(const int S, const uint8_t *blk, const float sm[16], 
         w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t1);
         return;
     }
-    /* runs 2k, 2k + 1 = ql[64h ...] bytes 0-31 and 32-63, low nibbles for
-     * k even, high for k odd; their top bits are bit pairs (2k % 4,
-     * 2k % 4 + 1) of qh[32h ...], h = k / 2 */
-    const int h = k / 2;
-    const __m512i ql = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QL + 64 * h));
-    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + CISM_Q6_K_QH + 32 * h)));
-    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
-    __m512i lo, hi;
-    if (k % 2 == 0) {
-        lo = _mm512_and_si512(ql, m4);
-        /* bit pairs 0 (run 4h) and 1 (run 4h + 1) up to bits 4-5 */
-        hi = _mm512_and_si512(_mm512_sllv_epi16(qh, _mm512_setr_epi64(0x0004000400040004LL, 0x0004000400040004LL,
-                                                                      0x0004000400040004LL, 0x0004000400040004LL,
-                                                                      0x0002000200020002LL, 0x0002000200020002LL,
-                                                                      0x0002000200020002LL, 0x0002000200020002LL)), m30);
-    } else {
-        lo = _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4);
-        /* bit pairs 2 and 3 down to bits 4-5 */
-        hi = _mm512_and_si512(_mm512_srlv_epi16(qh, _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
-                                                                      0x0002000200020002LL, 0x0002000200020002LL)), m30);
-    }
-    const __m512i code = _mm512_sub_epi8(_mm512_or_si512(lo, hi), _mm512_set1_epi8(32)); /* code - 32 */
+    const __m512i code = _mm512_sub_epi8(q6k_codes64(blk, k), _mm512_set1_epi8(32)); /* code - 32 */
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(code))), _mm512_set1_ps(sm[4 * k]));
     w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(code, 1))), _mm512_set1_ps(sm[4 * k + 1]));
     w[2] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(code, 2))), _mm512_set1_ps(sm[4 * k + 2]));
@@ -264,21 +258,21 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     }
     if (S == CISM_Q4K || S == CISM_Q6K) {
-        /* whole super-blocks (cols is a multiple of 256) */
-        for (size_t sb = 0; sb < n / CISM_QK_K; sb++)
-            for (int i = 0; i < R; i++) {
-                const uint8_t *blk = p[i].codes + sb * kq_block_bytes(S);
-                __attribute__((aligned(64))) float sm[16];
-                kq_scales(S, blk, sm);
-                for (int k = 0; k < 4; k++) {
+        /* whole super-blocks (cols is a multiple of 256); the rows take
+         * turns every 64 elements, so that their fma chains overlap */
+        for (size_t sb = 0; sb < n / CISM_QK_K; sb++) {
+            __attribute__((aligned(64))) float sm[8][16];
+            for (int i = 0; i < R; i++) kq_scales(S, p[i].codes + sb * kq_block_bytes(S), sm[i]);
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < R; i++) {
                     __m512 w[4];
-                    kq_part(S, blk, sm, k, w);
+                    kq_part(S, p[i].codes + sb * kq_block_bytes(S), sm[i], k, w);
                     for (int j = 0; j < TT; j++) {
                         const float *x = X + j * ldx + CISM_QK_K * sb + 64 * k;
                         for (int c = 0; c < 4; c++) acc[i][j] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(x + 16 * c), acc[i][j]);
                     }
                 }
-            }
+        }
     } else if (S == CISM_INT4) {
         /* whole 32-element blocks: one byte load feeds both halves */
         const size_t blocks = n / 32;
@@ -559,7 +553,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
                                 const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
         /* 4-bit rows: 8 rows of dequantization would spill vector registers */
-        const int R = S != CISM_INT4 && S != CISM_FP4 ? 8 : 4;
+        const int R = S == CISM_FP32 || S == CISM_FP16 || S == CISM_INT8 ? 8 : 4;
         const size_t L = (r1 - r0) / R;
         for (size_t j = 0; j < L; j++) tile_f32(S, R, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
@@ -1161,21 +1155,25 @@ GEMM_Q(gemm_fp4_q8_avx512, CISM_FP4, 0)
 /* ---- ggml K-quants (q4_k, q6_k) x q8 activations ----
  *
  * The canonical order (kernels.h, gemm_ref.c): a dot's 8 float lanes,
- * lane j folding in sub-block (run) j of each super-block. Here a dot's
- * lanes are one ymm, in a fixed permutation of j (its block sums come out of
- * the reduction that way; the scales and activation scales are put in the
- * same order, and the lanes are put back before cism_reduce8's tree).
- * Per super-block each row's 256 codes meet the token's 256 activations in
- * four vpdpbusd (or maddubs + madd; q6_k codes 0..63 keep maddubs pairs
- * within 2 * 63 * 127) whose 64 dword lanes are reduced to the 8 block
- * sums (q6_k: 16 group sums, times the int8 scales, then pairs).
+ * lane j folding in sub-block (run) j of each super-block. Here two rows
+ * share a zmm of lanes, [row A | row B], each half in a fixed permutation
+ * of j (the block sums come out of the reduction that way; the scales and
+ * activation scales are put in the same order, and the lanes go back
+ * before cism_reduce8's tree). Per super-block each row's 256 codes meet
+ * the token's 256 activations in four vpdpbusd (or maddubs + madd), whose
+ * dword lanes (four products each) a pack-and-madd tree sums to 16 group
+ * sums per row: the partial sums stay far inside int16 (q4_k: 4 * 15 * 127,
+ * then twice that; q6_k with code - 32 taken off first: 4 * 32 * 127, then
+ * twice that), so vpackssdw never saturates and two rows go through the
+ * tree together.
  * q4_k: the two 64-byte code loads split into low and high nibbles give
  * [sub-block 0 | 2], [1 | 3], [4 | 6], [5 | 7], so the activation blocks are
- * paired the same way once per token; block sums come out in lane order
- * Q4K_ORDER. q6_k: the codes of runs [0 | 1], [2 | 3], [4 | 5], [6 | 7] are
- * formed from the ql nibbles and the qh bit pairs and meet the activations
- * in element order; code - 32 is taken off as 32 times the activations'
- * group sums (once per token). */
+ * paired the same way once per token; sub-block sums come out in lane
+ * order Q4K_ORDER. q6_k: the codes of runs [0 | 1], [2 | 3], [4 | 5],
+ * [6 | 7] come from the ql nibbles and the qh bit pairs and meet the
+ * activations in element order, each dword starting from -32 times its
+ * four activations; the 16-element group sums, times the int8 scales, add
+ * up in pairs to run sums in lane order Q6K_ORDER. */
 
 /* Lane p of a dot holds sub-block (run) ORDER[p]; as lane indices the way
  * back is Q4K_ORDER itself or Q6K_BACK. */
@@ -1185,30 +1183,33 @@ GEMM_Q(gemm_fp4_q8_avx512, CISM_FP4, 0)
 
 /* Four vectors of dword lane sums -> their 128-bit lane sums: lane L of
  * the result holds [v0 lane L, v1 lane L, v2 lane L, v3 lane L] (each the
- * sum of that 128-bit lane's 4 dwords; integer additions, any order). */
-ALWAYS_INLINE __m512i lane_sums4x4(const __m512i v[4]) {
-    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+ * sum of that 128-bit lane's 4 dwords; integer additions, any order).
+ * Every dword and every pair of dwords must fit in int16. */
+ALWAYS_INLINE __m512i lane_sums16(const __m512i v[4]) {
+    const __m512i ones = _mm512_set1_epi16(1);
+    const __m512i m01 = _mm512_madd_epi16(_mm512_packs_epi32(v[0], v[1]), ones); /* [v0 pairs, v1 pairs] */
+    const __m512i m23 = _mm512_madd_epi16(_mm512_packs_epi32(v[2], v[3]), ones);
+    return _mm512_madd_epi16(_mm512_packs_epi32(m01, m23), ones);
 }
 
-/* 128-bit lanes 0 + 1 and 2 + 3 of u as one ymm [lanes 0+1 | lanes 2+3]. */
-ALWAYS_INLINE __m256i pair_lanes(__m512i u) {
-    const __m512i z = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, 0xb1)); /* swap lanes 0-1, 2-3 */
-    return _mm512_castsi512_si256(_mm512_shuffle_i32x4(z, z, 0x08));         /* lanes 0 and 2 */
+/* Two rows' lane_sums16 results: [A lanes 0+1, A lanes 2+3 | B lanes 0+1,
+ * B lanes 2+3]. */
+ALWAYS_INLINE __m512i pair_halves(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 
 /* One token's share of a super-block, made once for all rows. */
 typedef struct {
-    __m512i a[4];  /* q4_k: [b0|b2], [b1|b3], [b4|b6], [b5|b7]; q6_k: [b0|b1] .. [b6|b7] */
-    __m512i side;  /* q4_k: [0 | asum (Q4K_ORDER)]; q6_k: 32 x group sums, laid out as the weights' */
-    __m512 scale;  /* q4_k: [ascale | -ascale] (Q4K_ORDER); q6_k: [ascale (Q6K_ORDER) | -] */
+    __m512i a[4];     /* q4_k: [b0|b2], [b1|b3], [b4|b6], [b5|b7]; q6_k: [b0|b1] .. [b6|b7] */
+    __m512i start[4]; /* q6_k: -32 x the four-activation sums of a[c] */
+    __m512i asum;     /* q4_k: [asum | asum] (Q4K_ORDER) */
+    __m512 scale;     /* [ascale | ascale] (ORDER) */
 } kq_tok;
 
 ALWAYS_INLINE void kq8_token(const int S, const int VNNI, const cism_act *A, size_t t, size_t sb, kq_tok *k) {
     const int8_t *a = A->q8 + t * A->ldq + CISM_QK_K * sb;
     const __m256 as = _mm256_loadu_ps(A->qscale + t * A->ldqs + 8 * sb);
-    __m512i x[4], v[4];
+    __m512i x[4];
     for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_si512((const void *)(a + 64 * c));
     const __m512i zero = _mm512_setzero_si512();
     if (S == CISM_Q4K) {
@@ -1216,82 +1217,108 @@ ALWAYS_INLINE void kq8_token(const int S, const int VNNI, const cism_act *A, siz
         k->a[1] = _mm512_shuffle_i64x2(x[0], x[1], 0xee);
         k->a[2] = _mm512_shuffle_i64x2(x[2], x[3], 0x44);
         k->a[3] = _mm512_shuffle_i64x2(x[2], x[3], 0xee);
+        __m512i v[4];
         for (int c = 0; c < 4; c++) v[c] = dot4_acc(VNNI, zero, _mm512_set1_epi8(1), k->a[c]);
-        k->side = _mm512_inserti64x4(zero, pair_lanes(lane_sums4x4(v)), 1);
-        const __m256 o = _mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q4K_ORDER));
-        k->scale = join8(o, _mm256_xor_ps(o, _mm256_set1_ps(-0.0f))); /* dmin * -as = -(dmin * as) */
+        const __m512i u = lane_sums16(v);
+        k->asum = pair_halves(u, u);
+        k->scale = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+            _mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q4K_ORDER)))));
     } else {
         for (int c = 0; c < 4; c++) {
             k->a[c] = x[c];
-            v[c] = dot4_acc(VNNI, zero, _mm512_set1_epi8(32), x[c]);
+            k->start[c] = _mm512_sub_epi32(zero, dot4_acc(VNNI, zero, _mm512_set1_epi8(32), x[c]));
         }
-        k->side = lane_sums4x4(v);
-        k->scale = _mm512_castps256_ps512(_mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q6K_ORDER)));
+        k->scale = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+            _mm256_permutevar8x32_ps(as, _mm256_setr_epi32(Q6K_ORDER)))));
     }
 }
 
-/* One row's super-block, unpacked once for all tokens. */
-typedef struct {
-    __m512i q[4];  /* code bytes, arranged as kq_tok.a */
-    __m512i sc;    /* q4_k: [sc | m] (Q4K_ORDER); q6_k: the 16 int8 scales in the group sums' order */
-    __m512 d;      /* q4_k: [d x 8 | dmin x 8]; q6_k: d x 16 */
-} kq_row;
-
-ALWAYS_INLINE void kq8_row(const int S, const uint8_t *blk, kq_row *w) {
+/* A row's 256 code bytes, arranged as kq_tok.a. */
+ALWAYS_INLINE void kq8_codes(const int S, const uint8_t *blk, __m512i q[4]) {
     const __m512i m4 = _mm512_set1_epi8(15);
     if (S == CISM_Q4K) {
         for (int h = 0; h < 2; h++) {
             const __m512i x = _mm512_loadu_si512((const void *)(blk + CISM_Q4_K_QS + 64 * h));
-            w->q[2 * h] = _mm512_and_si512(x, m4);
-            w->q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+            q[2 * h] = _mm512_and_si512(x, m4);
+            q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
         }
-        const __m128i b = _mm_shuffle_epi8(q4k_scale_bytes(blk + CISM_Q4_K_SCALES),
-                                           _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-        w->sc = _mm512_cvtepu8_epi32(b);
-        int32_t dd;
-        memcpy(&dd, blk + CISM_Q4_K_D, 4);
-        w->d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                     _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dd))));
         return;
     }
-    const __m512i m30 = _mm512_set1_epi8(0x30);
-    const __m512i qh = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QH));
-    for (int h = 0; h < 2; h++) {
-        const __m512i ql = _mm512_loadu_si512((const void *)(blk + CISM_Q6_K_QL + 64 * h));
-        const __m512i q2 = _mm512_shuffle_i64x2(qh, qh, h ? 0xee : 0x44); /* qh[32h ...] in both halves */
-        const __m512i up = _mm512_sllv_epi16(q2, _mm512_setr_epi64(
-            0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
-            0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL));
-        const __m512i down = _mm512_srlv_epi16(q2, _mm512_setr_epi64(
-            0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL));
-        w->q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(up, m30));
-        w->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(down, m30));
-    }
-    /* the group sums come out with group 4k + L at dword 4L + k */
-    w->sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES)),
-                                                  _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)));
-    uint16_t h;
-    memcpy(&h, blk + CISM_Q6_K_D, 2);
-    w->d = _mm512_set1_ps(_cvtsh_ss(h));
+    for (int c = 0; c < 4; c++) q[c] = q6k_codes64(blk, c);
 }
 
-/* One (row, token) super-block folded into the dot's lanes. */
-ALWAYS_INLINE __m256 kq8_fold(const int S, const int VNNI, const kq_row *w, const kq_tok *k, __m256 acc) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512i v[4];
-    for (int c = 0; c < 4; c++) v[c] = dot4_acc(VNNI, zero, w->q[c], k->a[c]);
+/* Two rows' super-block scales, in their lanes: q4_k sc = [sc_A | sc_B],
+ * m = [m_A | m_B] (Q4K_ORDER), d = [d_A | d_B], dmin = [dmin_A | dmin_B];
+ * q6_k sc = A's 16 int8 scales in the group sums' order (group 4k + L at
+ * dword 4L + k), m = B's, d = [d_A | d_B]. */
+typedef struct {
+    __m512i sc, m;
+    __m512 d, dmin;
+} kq_scales2;
+
+ALWAYS_INLINE void kq8_scales2(const int S, const uint8_t *ba, const uint8_t *bb, kq_scales2 *p) {
     if (S == CISM_Q4K) {
-        /* [sc * isum | m * asum] and [d * ascale | -(dmin * ascale)] */
-        const __m512i sums = _mm512_inserti64x4(k->side, pair_lanes(lane_sums4x4(v)), 0);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sums, w->sc));
-        const __m512 c = _mm512_mul_ps(w->d, k->scale);
-        acc = _mm256_fmadd_ps(lo8(f), lo8(c), acc);
-        return _mm256_fmadd_ps(hi8(f), hi8(c), acc);
+        /* q4k_scale_bytes on both rows at once, then [sc_A sc_B | m_A m_B] */
+        const __m256i x = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(ba + CISM_Q4_K_SCALES))),
+            _mm_loadu_si128((const __m128i *)(bb + CISM_Q4_K_SCALES)), 1);
+        const __m256i pick = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11,
+                                              0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+        const __m256i tops = _mm256_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7,
+                                              -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
+        const __m256i pv = _mm256_shuffle_epi8(x, pick), qv = _mm256_shuffle_epi8(x, tops);
+        const __m256i low = _mm256_and_si256(pv, _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                                                  63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+        const __m256i nib = _mm256_and_si256(_mm256_srli_epi16(pv, 4),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+        const __m256i top = _mm256_srli_epi16(_mm256_and_si256(qv, _mm256_set1_epi8((char)0xc0)), 2);
+        const __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(_mm256_or_si256(low, nib), top),
+                                              _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                                               0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+        const __m256i sm = _mm256_permute4x64_epi64(b, 0xd8); /* [sc_A sc_B | m_A m_B] */
+        p->sc = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm));
+        p->m = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1));
+        int32_t da, db;
+        memcpy(&da, ba + CISM_Q4_K_D, 4);
+        memcpy(&db, bb + CISM_Q4_K_D, 4);
+        const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(da), db, 1)));
+        p->d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), dd);
+        p->dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), dd);
+        return;
     }
-    /* group sums of (code - 32) a, times the scales, pairs into runs */
-    const __m512i g = _mm512_mullo_epi32(_mm512_sub_epi32(lane_sums4x4(v), k->side), w->sc);
-    const __m256 f = _mm256_cvtepi32_ps(pair_lanes(g));
-    return _mm256_fmadd_ps(f, lo8(_mm512_mul_ps(w->d, k->scale)), acc);
+    const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    p->sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(ba + CISM_Q6_K_SCALES)), order));
+    p->m = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(bb + CISM_Q6_K_SCALES)), order));
+    uint16_t ha, hb;
+    memcpy(&ha, ba + CISM_Q6_K_D, 2);
+    memcpy(&hb, bb + CISM_Q6_K_D, 2);
+    const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(ha), hb, 1)));
+    p->d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd);
+}
+
+/* Two rows' super-block and one token folded into their lanes [A | B]. */
+ALWAYS_INLINE __m512 kq8_fold2(const int S, const int VNNI, const __m512i qa[4], const __m512i qb[4],
+                               const kq_scales2 *p, const kq_tok *k, __m512 acc) {
+    __m512i va[4], vb[4];
+    for (int c = 0; c < 4; c++) {
+        const __m512i s0 = S == CISM_Q4K ? _mm512_setzero_si512() : k->start[c];
+        va[c] = dot4_acc(VNNI, s0, qa[c], k->a[c]);
+        vb[c] = dot4_acc(VNNI, s0, qb[c], k->a[c]);
+    }
+    if (S == CISM_Q4K) {
+        /* [sc * isum | ...], [m * asum | ...] and d * ascale, -(dmin * ascale) */
+        const __m512i isum = pair_halves(lane_sums16(va), lane_sums16(vb));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_mullo_epi32(isum, p->sc));
+        const __m512 g = _mm512_cvtepi32_ps(_mm512_mullo_epi32(k->asum, p->m));
+        acc = _mm512_fmadd_ps(f, _mm512_mul_ps(p->d, k->scale), acc);
+        return _mm512_fmadd_ps(g, _mm512_xor_ps(_mm512_mul_ps(p->dmin, k->scale), _mm512_set1_ps(-0.0f)), acc);
+    }
+    /* group sums times the scales, pairs into runs */
+    const __m512i ga = _mm512_mullo_epi32(lane_sums16(va), p->sc);
+    const __m512i gb = _mm512_mullo_epi32(lane_sums16(vb), p->m);
+    const __m512 f = _mm512_cvtepi32_ps(pair_halves(ga, gb));
+    return _mm512_fmadd_ps(f, _mm512_mul_ps(p->d, k->scale), acc);
 }
 
 /* The canonical tree over a dot's lanes (held in ORDER). */
@@ -1303,27 +1330,33 @@ ALWAYS_INLINE float kq8_finish(const int S, __m256 acc) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-/* An R x TT tile: rows r, r + rs, ..., tokens t .. t + TT - 1. */
+/* An R x TT tile: rows r, r + rs, ..., tokens t .. t + TT - 1; rows go in
+ * pairs (a last odd row paired with itself, computed twice, stored once). */
 ALWAYS_INLINE void kq8_tile(const int S, const int VNNI, const int R, const int TT, const cism_mat *W, size_t r,
                             size_t rs, const cism_act *A, size_t t, float *Y, size_t ldy) {
+    const int P = (R + 1) / 2;
     const size_t bb = kq_block_bytes(S);
     const uint8_t *rows[8];
-    __m256 acc[8][4];
-    for (int i = 0; i < R; i++) {
-        rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
-    }
+    __m512 acc[4][4];
+    for (int i = 0; i < 2 * P; i++) rows[i] = (const uint8_t *)W->codes + (r + (i < R ? i : R - 1) * rs) * W->row_bytes;
+    for (int i = 0; i < P; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     for (size_t sb = 0; sb < W->cols / CISM_QK_K; sb++) {
         kq_tok k[4];
         for (int j = 0; j < TT; j++) kq8_token(S, VNNI, A, t + j, sb, &k[j]);
-        for (int i = 0; i < R; i++) {
-            kq_row w;
-            kq8_row(S, rows[i] + sb * bb, &w);
-            for (int j = 0; j < TT; j++) acc[i][j] = kq8_fold(S, VNNI, &w, &k[j], acc[i][j]);
+        for (int i = 0; i < P; i++) {
+            const uint8_t *ba = rows[2 * i] + sb * bb, *bq = rows[2 * i + 1] + sb * bb;
+            __m512i qa[4], qb[4];
+            kq_scales2 p;
+            kq8_codes(S, ba, qa);
+            kq8_codes(S, bq, qb);
+            kq8_scales2(S, ba, bq, &p);
+            for (int j = 0; j < TT; j++) acc[i][j] = kq8_fold2(S, VNNI, qa, qb, &p, &k[j], acc[i][j]);
         }
     }
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) Y[(t + j) * ldy + r + i * rs] = kq8_finish(S, acc[i][j]);
+        for (int j = 0; j < TT; j++)
+            Y[(t + j) * ldy + r + i * rs] = kq8_finish(S, i % 2 ? hi8(acc[i / 2][j]) : lo8(acc[i / 2][j]));
 }
 
 ALWAYS_INLINE void gemm_kq8_tpl(const int S, const int VNNI, const cism_mat *W, size_t r0, size_t r1,
@@ -1331,9 +1364,13 @@ ALWAYS_INLINE void gemm_kq8_tpl(const int S, const int VNNI, const cism_mat *W, 
     if (T == 1) { /* 8 streams spread over the rows, as in gemm_f32_tpl */
         const size_t L = (r1 - r0) / 8;
         for (size_t j = 0; j < L; j++) kq8_tile(S, VNNI, 8, 1, W, r0 + j, L, A, 0, Y, ldy);
-        for (size_t r = r0 + 8 * L; r < r1; r++) kq8_tile(S, VNNI, 1, 1, W, r, 1, A, 0, Y, ldy);
+        size_t r = r0 + 8 * L;
+        for (; r + 2 <= r1; r += 2) kq8_tile(S, VNNI, 2, 1, W, r, 1, A, 0, Y, ldy);
+        if (r < r1) kq8_tile(S, VNNI, 1, 1, W, r, 1, A, 0, Y, ldy);
         return;
     }
+    /* 4 rows x 4 tokens, the rows' data staying in L1 while a chunk of
+     * tokens goes by */
     for (size_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
         const size_t t1 = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;
         for (size_t r = r0; r < r1; r += 4) {
