@@ -19,6 +19,10 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden=1024, intermediate=3072, layers=28, heads=16,
                        kv_heads=8, head_dim=128, vocab=151936, context=40960, eps=1e-6,
                        rope_theta=1000000.0, tied=True),
+    # Llama 3.2 3B without its rope scaling (random weights: the shape is what counts)
+    "llama-3.2-3b": dict(model_type="llama", hidden=3072, intermediate=8192, layers=28, heads=24,
+                         kv_heads=8, head_dim=128, vocab=128256, context=131072, eps=1e-5,
+                         rope_theta=500000.0, tied=True),
     "myosotis-1-base": dict(model_type="fwkv", d_model=768, d_emb=192, layers=13, ffn_mult=4,
                             vocab=50257, context=1024, wkv_floor=0.1, tied=True),
     # ~53M parameters: XSA prelude, 2 groups of (3 GDN + 1 XSA) run twice, XSA coda
