@@ -56,10 +56,11 @@ SETS = {"smollm2": ["Q4_1", "F32", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
         "llama-3.2-3b": ["F16", "Q8_0", "Q4_K_M"]}
 
 CISM_CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import cism, cism.dense, cism.tokenizer
 path, precision, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak RSS (ru_maxrss would count its parent's too)
+rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
 base = rss()
 t = time.perf_counter()
 model = cism.load(path, precision=precision, threads=threads)
