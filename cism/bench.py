@@ -193,16 +193,27 @@ def measure(model, bandwidth, decode_tokens=64, prompt_len=512, repeats=5, per_t
             "roofline_ratio": decode / roofline}
 
 
+def peak_rss_bytes():
+    """This process's peak resident set so far: Linux's VmHWM (ru_maxrss
+    also counts the high-water mark of the parent a child was forked
+    from), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+
+
 def timed_load(load):
     """Call ``load()`` (a model loader); returns the model and its load
-    figures: wall seconds and the process's peak RSS so far (ru_maxrss, so
-    a later, smaller load in the same process shows the earlier peak;
-    bench/load.py measures each load in a fresh process)."""
-    import resource
+    figures: wall seconds and the process's peak RSS so far (so a later,
+    smaller load in the same process shows the earlier peak; bench/load.py
+    measures each load in a fresh process)."""
     start = time.perf_counter()
     model = load()
     seconds = time.perf_counter() - start
-    return model, {"load_s": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return model, {"load_s": seconds, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def format_table(rows):

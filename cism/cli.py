@@ -290,14 +290,9 @@ def cmd_bench(args):
 
 # -------------------------------------------------------------------- info ---
 
-def peak_rss_bytes():
-    """The process's peak resident set so far (Linux reports KiB)."""
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def cmd_info(args):
     import cism
+    from cism.bench import peak_rss_bytes
     info = cism.runtime_info()
     if args.model:
         start = time.perf_counter()
