@@ -439,3 +439,56 @@ def test_llama_quantize_tensors(isa_level):
                 assert same_bits(got[act], ref[act]), (t.name, isa, act)
         seen.add(t.tensor_type)
     assert seen == {Q.Q4_K, Q.Q6_K}
+
+
+def test_native_q4_k_m_model_is_the_fp32_model_of_its_decode(isa_level):
+    """A whole model: with fp32 activations the q4_k and q6_k matrices of a
+    llama-quantize Q4_K_M file (precision "auto") give the logits and the
+    greedy tokens of the fp32 model of gguf-py's decode, bit for bit, on
+    the reference and the best level."""
+    import os
+    from cism.dense import Model
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ggml", "tiny-llama.Q4_K_M.gguf")
+    if not os.path.exists(path):
+        pytest.skip("tests/data/ggml is not here")
+    native = Model.from_pretrained(path, precision="auto", threads=2)
+    storages = {s for _, s in native.storage_report().values()}
+    assert {"q4_k", "q6_k"} <= storages <= {"q4_k", "q6_k", "fp32"}, storages
+    decoded = Model.from_pretrained(path, precision="fp32", threads=2)
+    prompt = [1, 5, 9, 60, 7, 3, 11, 2]
+    for isa in (ISAS[0], ISAS[-1]):
+        isa_level(isa)
+        assert same_bits(native.logits(prompt), decoded.logits(prompt)), isa
+        a = native.create_session(prompt, 12)
+        b = decoded.create_session(prompt, 12)
+        assert a.next_tokens(12) == b.next_tokens(12), isa
+
+
+@pytest.mark.parametrize("storage", sorted(TYPES))
+def test_kernels_without_scratch_give_the_same_bits(storage, isa_level):
+    """The multi-token kernels that take scratch (the dequantized rows of
+    the fp32 tiles, the VNNI tokens-in-lanes kernel) fall back to
+    scratch-free paths with the same bits when it cannot be had."""
+    rng = np.random.default_rng(8)
+    rows, cols = 37, 1280
+    m = Matrix.from_ggml(TYPES[storage][0], random_raw(storage, rows, cols, seed=8), rows, cols)
+    try:
+        for isa in ISAS:
+            isa_level(isa)
+            spent = {"fp32": 0, "int8": 0}
+            for T in (6, 9, 40):
+                X = activations(rng, T, cols)
+                for act in spent:
+                    m.act_precision = act
+                    want = m.gemm(X, threads=2)
+                    _kernels._fail_scratch(1 << 30)
+                    got = m.gemm(X, threads=2)
+                    spent[act] += (1 << 30) - _kernels._fail_scratch(0)
+                    assert same_bits(got, want), (isa, act, T)
+            # the fallbacks ran: fp32 activations' dequantized rows from avx2
+            # on, q8's tokens in lanes from avx512vnni on
+            assert (spent["fp32"] > 0) == (isa != "ref"), (isa, spent)
+            assert (spent["int8"] > 0) == (isa in ("avx512vnni", "amx")), (isa, spent)
+            m.act_precision = "fp32"
+    finally:
+        _kernels._fail_scratch(0)
