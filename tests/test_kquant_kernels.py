@@ -365,11 +365,15 @@ def q8_rule(storage, raw, cols, a, ascale):
 def test_q8_activations_follow_the_k_quant_rule(storage, isa_level):
     """The q8 rule of csrc/kernels.h, stated here independently (exact
     rationals, ggml-common.h's layouts), equals every level bit for bit:
-    decode, a few tokens and many."""
+    decode, a few tokens and many. Tokens 1 and 2 quantize to +-127
+    everywhere, which against the all-zero and all-one code rows makes the
+    largest integer partial sums the SIMD reductions hold (q6_k: 4 * 32 *
+    127 per dword, twice that per pair, near int16's limit)."""
     rng = np.random.default_rng(17)
     rows, cols, T = 9, 768, 10
     raw = random_raw(storage, rows, cols, seed=31, classes=("unit", "subnormal", "large"))
     X = activations(rng, T, cols)
+    X[1], X[2] = 1.0, -3.0
     acts = [_kernels.quantize(x) for x in X]
     want = np.array([[q8_rule(storage, raw[i], cols, a, s) for i in range(rows)] for a, s in acts], np.float32)
     m = Matrix.from_ggml(TYPES[storage][0], raw, rows, cols)

@@ -1162,10 +1162,10 @@ GEMM_Q(gemm_fp4_q8_avx512, CISM_FP4, 0)
  * before cism_reduce8's tree). Per super-block each row's 256 codes meet
  * the token's 256 activations in four vpdpbusd (or maddubs + madd), whose
  * dword lanes (four products each) a pack-and-madd tree sums to 16 group
- * sums per row: the partial sums stay far inside int16 (q4_k: 4 * 15 * 127,
+ * sums per row: the partial sums it packs fit int16 (q4_k: 4 * 15 * 127,
  * then twice that; q6_k with code - 32 taken off first: 4 * 32 * 127, then
- * twice that), so vpackssdw never saturates and two rows go through the
- * tree together.
+ * twice that, 32512), so vpackssdw never saturates and two rows go through
+ * the tree together.
  * q4_k: the two 64-byte code loads split into low and high nibbles give
  * [sub-block 0 | 2], [1 | 3], [4 | 6], [5 | 7], so the activation blocks are
  * paired the same way once per token; sub-block sums come out in lane
