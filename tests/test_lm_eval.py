@@ -1,0 +1,168 @@
+"""cism as an lm-evaluation-harness backend, against lm-eval's own HF backend
+on the same weights: a tiny Llama (random weights, GPT-2's tokenizer) saved
+by transformers, which cism loads as an HF directory. Two local tasks built
+here from the shared corpora (no hub): last-word cloze sentences with four
+choices, and paragraphs scored by loglikelihood_rolling (word perplexity)."""
+import json
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+
+# local files only: lm-eval's datasets must never reach for the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+import cism  # noqa: E402
+import cism.lm_eval  # noqa: E402,F401  (registers "cism")
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+MAX_LENGTH = 128   # short windows, so the rolling task spans several per paragraph
+
+
+@pytest.fixture(scope="module")
+def hf_dir(data_dir, tmp_path_factory):
+    """A 2-layer Llama with GPT-2's vocabulary and tokenizer, in transformers'
+    own save_pretrained layout. Weights drawn with std 0.2 (not 0.02) so the
+    next-token distributions are far from uniform and the choices' scores
+    are far apart compared with float32 rounding."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    gpt2 = data_dir / "tokenizers" / "gpt2"
+    vocab = json.loads((gpt2 / "encoder.json").read_text(encoding="utf-8"))
+    lines = (gpt2 / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split()) for m in lines if m.strip()]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    eot = vocab["<|endoftext|>"]
+    out = tmp_path_factory.mktemp("lm_eval") / "tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.2, bos_token_id=eot, eos_token_id=eot)
+    LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>",
+                            eos_token="<|endoftext|>").save_pretrained(out)
+    return out
+
+
+def _sentences(data_dir):
+    text = (data_dir / "corpora" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = re.sub(r"\s+", " ", text)
+    return [s for s in re.findall(r"[A-Z][^.!?\"]{30,160}[.]", text) if re.search(r" [a-z]+\.$", s)]
+
+
+@pytest.fixture(scope="module")
+def task_dir(data_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tasks")
+    rng = random.Random(0)
+    sents = _sentences(data_dir)[:400:10]   # 40 questions
+    last = [s.rsplit(" ", 1)[1][:-1] for s in sents]
+    with open(d / "cloze.jsonl", "w") as f:
+        for s, word in zip(sents, last):
+            choices = [word] + rng.sample(sorted(set(last) - {word}), 3)
+            rng.shuffle(choices)
+            f.write(json.dumps({"context": s.rsplit(" ", 1)[0], "choices": [" " + c for c in choices],
+                                "label": choices.index(word)}) + "\n")
+    paragraphs = (data_dir / "corpora" / "pride_and_prejudice.txt").read_text(encoding="utf-8").split("\n\n")
+    paragraphs = [p.strip() for p in paragraphs if 300 < len(p) < 900][:6]
+    with open(d / "paragraphs.jsonl", "w") as f:
+        for p in paragraphs:
+            f.write(json.dumps({"text": p}) + "\n")
+    (d / "cism_cloze.yaml").write_text(f"""task: cism_cloze
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {d / "cloze.jsonl"}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""")
+    (d / "cism_paragraphs.yaml").write_text(f"""task: cism_paragraphs
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {d / "paragraphs.jsonl"}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+    return d
+
+
+def evaluate(model, model_args, task_dir, tasks=("cism_cloze", "cism_paragraphs")):
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
+                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                                   bootstrap_iters=0, log_samples=True, batch_size=1, device="cpu")
+
+
+def per_request(results, task):
+    """Every request's response in doc and choice order."""
+    docs = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [r for s in docs for r in s["resps"]]
+
+
+@pytest.fixture(scope="module")
+def hf_results(hf_dir, task_dir):
+    return evaluate("hf", f"pretrained={hf_dir},dtype=float32,max_length={MAX_LENGTH}", task_dir)
+
+
+def test_cism_equals_hf_backend(hf_dir, task_dir, hf_results):
+    got = evaluate("cism", f"pretrained={hf_dir},precision=fp32,threads=2,max_length={MAX_LENGTH}", task_dir)
+    want = hf_results
+    assert got["results"]["cism_cloze"]["acc,none"] == want["results"]["cism_cloze"]["acc,none"]
+    # the choices' loglikelihoods (and whether each was greedy)
+    a, b = per_request(got, "cism_cloze"), per_request(want, "cism_cloze")
+    assert len(a) == len(b) == 160
+    ll_a, ll_b = np.array([r[0][0] for r in a]), np.array([r[0][0] for r in b])
+    assert np.abs(ll_a - ll_b).max() < 1e-3
+    assert [r[0][1] for r in a] == [r[0][1] for r in b]
+    # the paragraphs' rolling loglikelihoods and word perplexity
+    ra, rb = per_request(got, "cism_paragraphs"), per_request(want, "cism_paragraphs")
+    assert np.abs(np.array(ra, float).ravel() - np.array(rb, float).ravel()).max() < 1e-3
+    wa = got["results"]["cism_paragraphs"]["word_perplexity,none"]
+    wb = want["results"]["cism_paragraphs"]["word_perplexity,none"]
+    assert abs(wa / wb - 1) < 0.005
+
+
+def test_fork_equals_recompute(hf_dir, task_dir):
+    """Forking each question's context in the paged pool scores exactly what
+    logits_all over context + continuation does."""
+    model = cism.load(hf_dir, threads=2)
+    forked = evaluate(cism.lm_eval.CismLM(pretrained=model), None, task_dir, ["cism_cloze"])
+    alone = evaluate(cism.lm_eval.CismLM(pretrained=model, fork=False), None, task_dir, ["cism_cloze"])
+    assert per_request(forked, "cism_cloze") == per_request(alone, "cism_cloze")
+
+
+def test_generate_until_is_model_generate(data_dir):
+    model = cism.load(data_dir / "models" / "stories260K" / "stories260K.bin", threads=2)
+    lm = cism.lm_eval.CismLM(pretrained=model)
+    full = model.generate("Once upon a time", max_new_tokens=60).text
+    stop = full[20:24]
+    reqs = [Instance("generate_until", {}, ("Once upon a time", {"until": [stop], "max_gen_toks": 60}), 0),
+            Instance("generate_until", {}, ("Once upon a time", {"until": ["zzz"], "max_gen_toks": 12}), 1),
+            Instance("generate_until", {}, ("Lily", {"until": ["."], "do_sample": True, "temperature": 0.8,
+                                                     "max_gen_toks": 40}), 2)]
+    got = lm.generate_until(reqs, disable_tqdm=True)
+    assert got[0] == full[:full.index(stop)]
+    assert got[1] == model.generate("Once upon a time", max_new_tokens=12).text
+    assert got[2] == model.generate("Lily", max_new_tokens=40, temperature=0.8, stop=["."]).text
