@@ -158,22 +158,38 @@ def unpack_files(slots, data):
     return files
 
 
-def build_and_run(checkpoint):
+def build_and_run(checkpoint, lazy=None):
     """Past a loader: the model's own checks (Config bounds, weight shapes,
     finiteness), then one forward of one token. The model's errors are
     ValueErrors about fields, not files; a forward may also stop with the
-    documented RuntimeError for non-finite logits (fuzzed weights can be huge)."""
+    documented RuntimeError for non-finite logits (fuzzed weights can be huge).
+
+    ``lazy``: the same file loaded with lazy=True (what from_pretrained
+    packs from): it must build exactly when the float32 checkpoint does
+    and give the same logits, bit for bit."""
+    import numpy as np
     from cism.dense import Config, Model
     try:
         config = Config.from_hf(checkpoint.config)
         model = Model(config, checkpoint.weights, threads=1)
     except ValueError:
+        model = None
+    if lazy is not None:
+        try:
+            lazy_model = Model(Config.from_hf(lazy.config), lazy.weights, threads=1)
+        except ValueError:
+            lazy_model = None
+        assert (model is None) == (lazy_model is None), "lazy and eager loads disagree on building"
+    if model is None:
         return
     try:
-        model.logits([0])
+        logits = model.logits([0])
     except RuntimeError as e:
         if "non-finite logits" not in str(e):
             raise
+        return
+    if lazy is not None:
+        assert np.array_equal(lazy_model.logits([0]), logits), "lazy and eager logits differ"
 
 
 TEXTS = ["Hello world", " leading  spaces\tand\nlines\r\n", "ünïcödé ✓ 中文 🙂",

@@ -19,7 +19,7 @@ def one_input(data):
     expect_value_error(lambda: gguf_file.read_config(path), path)
     ckpt = expect_value_error(lambda: load_gguf(path, threads=1), path)
     if ckpt is not None:
-        build_and_run(ckpt)
+        build_and_run(ckpt, load_gguf(path, threads=1, lazy=True))
 
 
 def seeds():

@@ -58,7 +58,7 @@ def one_input(data):
     expect_value_error(lambda: llama2c.read_config(path), path)
     ckpt = expect_value_error(lambda: llama2c.load_llama2c(path), path)
     if ckpt is not None:
-        build_and_run(ckpt)
+        build_and_run(ckpt, llama2c.load_llama2c(path, lazy=True))
 
 
 def seeds():
