@@ -98,9 +98,12 @@ def test_cli_info_shows_each_type_and_what_it_became(capsys):
     q4k = native.get(12, AUTO[12])
     assert f"x Q4_K -> {q4k}" in out and "precision: auto" in out
     assert f"model.layers.0.mlp.gate_proj.weight: Q4_K -> {q4k}" in out
+    assert "loaded in " in out and " s; peak RSS " in out    # beside the weight bytes (issue 34)
     assert cli.main(["info", "--model", Q4_K_M, "--precision", "int8", "--json"]) == 0
-    tensors = json.loads(capsys.readouterr().out)["model"]["tensors"]
+    model = json.loads(capsys.readouterr().out)["model"]
+    tensors = model["tensors"]
     assert {(t["source"], t["storage"]) for t in tensors.values()} == {("Q4_K", "int8"), ("Q6_K", "int8")}
+    assert model["load_seconds"] > 0 and model["peak_rss_bytes"] > model["weight_bytes"]
 
 
 @pytest.mark.parametrize("name", ["Q4_K_M", "IQ4_XS", "Q5_K_M", "Q2_K"])
