@@ -262,10 +262,11 @@ cdef class WeightStore:
     cdef object add_any_matrix(self, name, value, storage, int threads):
         """add_matrix for a float array or a lazy tensor. A lazy tensor is
         kept as the file has it when `storage` is its native storage (a
-        GGUF's Q4_K, Q6_K), else read, checked and packed a block of rows
-        at a time (PACK_BLOCK_BYTES of floats): loading never holds more
-        than one block of a matrix as float32. An allocation the OS refuses
-        is a MemoryError naming the file and the tensor."""
+        GGUF's Q4_K, Q6_K), else read, checked and packed; either way a
+        block of rows at a time (PACK_BLOCK_BYTES of floats, or of the
+        file's blocks): loading never holds more than one block of a matrix
+        besides the matrix. An allocation the OS refuses is a MemoryError
+        naming the file and the tensor."""
         from cism.loaders.ggml_types import NATIVE
         from cism._oom import memory_for
         cdef Matrix m
@@ -274,17 +275,24 @@ cdef class WeightStore:
         rows, cols = value.shape
         with memory_for(value.path, f"packing tensor {value.name!r} ({rows}x{cols} as {storage}; "
                                     f"{self.weight_bytes_} bytes packed so far)"):
-            if NATIVE.get(value.type_id) == storage:
-                return self.add_ggml_matrix(name, value.type_id, value.raw(), rows, cols, threads)
             m = Matrix.empty(rows, cols, storage)
-            # whole 256-row chunks, at least one per thread (pack's parallel unit)
-            step = max(256 * threads, PACK_BLOCK_BYTES // (4 * cols) // 256 * 256)
-            for r0 in range(0, rows, step):
-                block = value.load_rows(r0, min(rows, r0 + step), threads)
-                if not all_finite(block):
-                    raise ValueError(f"non-finite weight: {name}")
-                m.pack_rows(r0, block, threads)
-                del block
+            if NATIVE.get(value.type_id) == storage:
+                # the file's blocks, PACK_BLOCK_BYTES of them at a time
+                step = max(1, PACK_BLOCK_BYTES // value.row_bytes)
+                for r0 in range(0, rows, step):
+                    try:
+                        m.copy_ggml_rows(r0, value.raw_rows(r0, min(rows, r0 + step)), threads)
+                    except ValueError as e:
+                        raise ValueError(f"weight {name}: {e}") from None
+            else:
+                # whole 256-row chunks, at least one per thread (pack's parallel unit)
+                step = max(256 * threads, PACK_BLOCK_BYTES // (4 * cols) // 256 * 256)
+                for r0 in range(0, rows, step):
+                    block = value.load_rows(r0, min(rows, r0 + step), threads)
+                    if not all_finite(block):
+                        raise ValueError(f"non-finite weight: {name}")
+                    m.pack_rows(r0, block, threads)
+                    del block
         self.keep.append(m)
         self.matrices[name] = m
         self.weight_bytes_ += m.nbytes

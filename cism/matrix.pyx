@@ -365,6 +365,50 @@ cdef matrix_pack(Matrix m, values, size_t first, int nt):
             cism_pack_rows(s, src, C, 0, n, codes, scales)
 
 
+cdef matrix_alloc_ggml(Matrix m, int s, size_t R, size_t C):
+    """A zeroed R x C matrix of native storage s (q4_k, q6_k; C a multiple of
+    256): all-zero super-blocks are zero weights (fp16 scales of +0)."""
+    cdef size_t row_bytes = cism_row_bytes(s, C), total = R * row_bytes
+    m.storage_name = STORAGES[s]
+    m.act_mode = ACT_FP32
+    m.codes_buf = alloc_zeroed(total)
+    if m.codes_buf == NULL:
+        raise MemoryError(f"cannot allocate a {R}x{C} {m.storage_name} matrix ({total} bytes)")
+    m.nbytes_ = total
+    m.mat.storage = s
+    m.mat.rows = R
+    m.mat.cols = C
+    m.mat.codes = m.codes_buf
+    m.mat.row_bytes = row_bytes
+    m.mat.scale_offset = 0
+    m.mat.scales = NULL
+
+
+cdef matrix_copy_ggml(Matrix m, raw, size_t first, int nt, bint check_finite):
+    """Copy ``raw`` (C-contiguous uint8, whole rows of super-blocks) into rows
+    [first, first + n) of a native matrix, its fp16 scales checked finite
+    first (which makes every weight finite)."""
+    cdef int s = m.mat.storage
+    cdef size_t row_bytes = m.mat.row_bytes, total = raw.nbytes, n = total // row_bytes
+    cdef const uint8_t *src = <const uint8_t*>cnp.PyArray_DATA(raw)
+    cdef size_t per_row = m.mat.cols // CISM_QK_K, blocks = n * per_row, bad
+    if check_finite:
+        with nogil:
+            bad = ggml_nonfinite_block(s, src, blocks)
+        if bad != blocks:
+            raise ValueError(f"non-finite scale in super-block {bad % per_row} of row {first + bad // per_row}: "
+                             "the weights would not be finite")
+    cdef uint8_t *dst = <uint8_t*>m.codes_buf + first * row_bytes
+    cdef size_t part = 1 << 22, nparts = cism_div_up(total, part), c, k
+    with nogil:
+        if nt > 1 and nparts > 1:
+            for c in prange(nparts, schedule='static', num_threads=nt):
+                k = total - c * part if total - c * part < part else part
+                memcpy(dst + c * part, src + c * part, k)
+        else:
+            memcpy(dst, src, total)
+
+
 cdef class Matrix:
     """A packed weight matrix.
 
@@ -400,14 +444,39 @@ cdef class Matrix:
 
     @staticmethod
     def empty(rows, cols, storage="fp32"):
-        """A ``rows x cols`` matrix of a float storage holding zeros, for
-        ``pack_rows`` to fill a block of rows at a time (a model loading
-        tensor by tensor never holds a whole matrix of floats)."""
+        """A ``rows x cols`` matrix holding zeros, for ``pack_rows`` (float
+        storages) or ``copy_ggml_rows`` (q4_k, q6_k) to fill a block of rows
+        at a time: a model loading tensor by tensor never holds a whole
+        matrix of floats or of a file's blocks."""
+        cdef Matrix m = Matrix.__new__(Matrix)
+        if isinstance(storage, str) and storage in GGML_NATIVE.values():
+            _check_dims(rows, cols)
+            if cols % CISM_QK_K:
+                raise ValueError(f"a {storage} row holds whole 256-element super-blocks: "
+                                 f"cols must be a multiple of 256, got {cols}")
+            matrix_alloc_ggml(m, STORAGES.index(storage), rows, cols)
+            return m
         cdef int s = _storage_index(storage)
         _check_dims(rows, cols)
-        cdef Matrix m = Matrix.__new__(Matrix)
         matrix_alloc(m, s, rows, cols)
         return m
+
+    def copy_ggml_rows(self, first, raw, threads=None, *, check_finite=True):
+        """Copy a GGUF tensor's rows ``[first, first + n)`` into a q4_k or
+        q6_k matrix: ``raw`` a C-contiguous uint8 array of n whole rows
+        (``n * row_bytes`` bytes, as Matrix.from_ggml takes them), its fp16
+        scales checked finite unless ``check_finite=False``."""
+        cdef int nt = resolve_threads(threads)
+        if self.storage_name not in GGML_NATIVE.values():
+            raise ValueError(f"a {self.storage_name} matrix packs floats (pack_rows), not a GGUF file's blocks")
+        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
+            raise ValueError("raw must be a C-contiguous numpy uint8 array")
+        n, rest = divmod(raw.nbytes, self.mat.row_bytes)
+        if rest or isinstance(first, bool) or not isinstance(first, (int, np.integer)) or first < 0 \
+                or first + n > self.mat.rows:
+            raise ValueError(f"raw holds {raw.nbytes} bytes: not whole {self.mat.row_bytes}-byte rows "
+                             f"from row {first} of the {self.mat.rows}-row matrix")
+        matrix_copy_ggml(self, raw, first, nt, check_finite)
 
     def pack_rows(self, first, values, threads=None):
         """Pack the C-contiguous float32 ``(n, cols)`` array ``values`` into
@@ -472,37 +541,9 @@ cdef class Matrix:
         if <size_t>raw.nbytes != total:
             raise ValueError(f"raw holds {raw.nbytes} bytes; a {rows}x{cols} {type_name_or_id!r} "
                              f"tensor is {rows} rows x {row_bytes} bytes = {total}")
-        cdef const uint8_t *src = <const uint8_t*>cnp.PyArray_DATA(raw)
-        cdef size_t per_row = C // CISM_QK_K, blocks = R * per_row, bad
-        if check_finite:
-            with nogil:
-                bad = ggml_nonfinite_block(s, src, blocks)
-            if bad != blocks:
-                raise ValueError(f"non-finite scale in super-block {bad % per_row} of row {bad // per_row}: "
-                                 "the weights would not be finite")
         cdef Matrix m = Matrix.__new__(Matrix)
-        m.storage_name = storage
-        m.act_mode = ACT_FP32
-        m.codes_buf = alloc_zeroed(total)
-        if m.codes_buf == NULL:
-            raise MemoryError(f"cannot allocate a {rows}x{cols} {storage} matrix ({total} bytes)")
-        m.nbytes_ = total
-        m.mat.storage = s
-        m.mat.rows = R
-        m.mat.cols = C
-        m.mat.codes = m.codes_buf
-        m.mat.row_bytes = row_bytes
-        m.mat.scale_offset = 0
-        m.mat.scales = NULL
-        cdef uint8_t *dst = <uint8_t*>m.codes_buf
-        cdef size_t part = 1 << 22, nparts = cism_div_up(total, part), c, n
-        with nogil:
-            if nt > 1 and nparts > 1:
-                for c in prange(nparts, schedule='static', num_threads=nt):
-                    n = total - c * part if total - c * part < part else part
-                    memcpy(dst + c * part, src + c * part, n)
-            else:
-                memcpy(dst, src, total)
+        matrix_alloc_ggml(m, s, R, C)
+        matrix_copy_ggml(m, raw, 0, nt, check_finite)
         return m
 
     def __dealloc__(self):

@@ -49,9 +49,36 @@ def test_pack_rows_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match=r"C-contiguous float32 \(n, 8\)"):
         m.pack_rows(0, np.zeros((3, 8), np.float64))
     with pytest.raises(ValueError, match="holds a GGUF file's own blocks"):
-        Matrix.empty(4, 256, "q4_k")
+        Matrix.empty(4, 256, "q4_k").pack_rows(0, np.zeros((1, 256), np.float32))
+    with pytest.raises(ValueError, match="packs floats"):
+        m.copy_ggml_rows(0, np.zeros(8, np.uint8))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Matrix.empty(4, 300, "q6_k")
     with pytest.raises(ValueError, match="rows must be in"):
         Matrix.empty(0, 8, "fp32")
+
+
+@pytest.mark.parametrize("qtype, storage", [(Q.Q4_K, "q4_k"), (Q.Q6_K, "q6_k")])
+def test_copy_ggml_rows_in_blocks_equals_from_ggml(qtype, storage):
+    """Rows of a K-quant tensor copied in blocks: from_ggml's bytes."""
+    path = os.path.join(os.path.dirname(__file__), "data", "ggml", "tiny-llama.Q4_K_M.gguf")
+    ck = load_checkpoint(path, lazy=True)
+    t = next(t for t in ck.weights.values() if t.type_id == qtype and len(t.shape) == 2 and t.shape[0] > 20)
+    rows, cols = t.shape
+    raw = t.raw()
+    whole = Matrix.from_ggml(qtype.name, raw, rows, cols)
+    m = Matrix.empty(rows, cols, storage)
+    assert not m.dequantize().any()          # all-zero super-blocks are zeros
+    for r0, r1 in ((0, 1), (1, 20), (20, rows)):
+        m.copy_ggml_rows(r0, raw[r0:r1].copy(), threads=2)
+    assert m.nbytes == whole.nbytes and np.array_equal(m.dequantize(), whole.dequantize())
+    bad = raw.copy()
+    d = 0 if qtype == Q.Q4_K else 208                  # the fp16 d of super-block 0
+    bad[5, d:d + 2] = [0x00, 0x7c]                     # +inf
+    with pytest.raises(ValueError, match="non-finite scale in super-block 0 of row 5"):
+        m.copy_ggml_rows(3, bad[3:7].copy())
+    with pytest.raises(ValueError, match="not whole"):
+        m.copy_ggml_rows(rows - 1, raw[:2].copy())
 
 
 def _llama_gguf(path, qtype):

@@ -8,8 +8,9 @@ WeightStore.add_any_matrix) is small:
   ``load(threads)``               a new float32 C-contiguous array of that shape
   ``load_rows(r0, r1, threads)``  rows [r0, r1) of a 2-D tensor as float32
   ``path``, ``name``              the file and the file's own tensor name, for messages
-  ``type_id``, ``raw()``          the ggml type and the tensor's encoded bytes, for the
-                                  storages that keep a GGUF's encoding (q4_k, q6_k)
+  ``type_id``, ``raw_rows(r0, r1)`` the ggml type and rows of the tensor's encoded
+                                  bytes, for the storages that keep a GGUF's encoding
+                                  (q4_k, q6_k)
 
 FileTensor is its one implementation: a tensor of some ggml type (F32, F16
 and BF16 cover safetensors and llama2.c files; a GGUF's own type otherwise)
@@ -70,32 +71,41 @@ class FileTensor:
         h = self.rows // self.heads
         return r0 // h * h, -(-r1 // h) * h
 
+    def _hf_order(self, block, a, b, r0, r1):
+        """Rows [a, b) of the file (whole heads) -> rows [r0, r1) in HF order."""
+        if not self.heads:
+            return block
+        with memory_for(self.path, f"loading tensor {self.name!r} (its rotary pairs reordered)"):
+            block = rotary_interleaved_to_halves(block, (b - a) // (self.rows // self.heads))
+            if (a, b) != (r0, r1):
+                block = np.ascontiguousarray(block[r0 - a:r1 - a])
+        return block
+
+    def _check_rows(self, r0, r1):
+        if not 0 <= r0 <= r1 <= self.rows:
+            raise IndexError(f"rows [{r0}, {r1}) of a {self.rows}-row tensor")
+        return self._head_rows(r0, r1)
+
+    def raw_rows(self, r0, r1):
+        """Rows [r0, r1) of the tensor's encoded bytes, uint8 (r1 - r0, row_bytes)."""
+        a, b = self._check_rows(r0, r1)
+        return self._hf_order(self._read(a, b).reshape(b - a, self.row_bytes), a, b, r0, r1)
+
     def raw(self):
         """The tensor's encoded bytes, uint8 (rows, row_bytes), rows in HF order."""
-        raw = self._read(0, self.rows).reshape(self.rows, self.row_bytes)
-        if self.heads:
-            with memory_for(self.path, f"loading tensor {self.name!r} (its rotary pairs reordered)"):
-                raw = rotary_interleaved_to_halves(raw, self.heads)
-        return raw
+        return self.raw_rows(0, self.rows)
 
     def load_rows(self, r0, r1, threads=1):
         """Rows [r0, r1) as a new float32 (r1 - r0, cols) array, decoded by
         the C decoder (csrc/ggml.h: gguf-py's bits whatever ``threads``)."""
-        if not 0 <= r0 <= r1 <= self.rows:
-            raise IndexError(f"rows [{r0}, {r1}) of a {self.rows}-row tensor")
-        a, b = self._head_rows(r0, r1)
+        a, b = self._check_rows(r0, r1)
         raw = self._read(a, b)
         with memory_for(self.path, f"loading tensor {self.name!r} "
                                    f"({4 * (b - a) * self.cols} bytes as float32)"):
             out = np.empty((b - a, self.cols), np.float32)
         ggml_types.dequantize_into(self.type_id, raw, out.reshape(-1), threads)
         del raw
-        if self.heads:
-            with memory_for(self.path, f"loading tensor {self.name!r} (its rotary pairs reordered)"):
-                out = rotary_interleaved_to_halves(out, (b - a) // (self.rows // self.heads))
-                if (a, b) != (r0, r1):
-                    out = np.ascontiguousarray(out[r0 - a:r1 - a])
-        return out
+        return self._hf_order(out, a, b, r0, r1)
 
     def load(self, threads=1):
         """The whole tensor as a new float32 C-contiguous array of ``shape``."""
