@@ -553,7 +553,7 @@ ALWAYS_INLINE void gemm_f32_tpl(const int S, const cism_mat *W, size_t r0, size_
                                 const cism_act *A, size_t T, float *Y, size_t ldy) {
     if (T == 1) {
         /* 4-bit rows: 8 rows of dequantization would spill vector registers */
-        const int R = S == CISM_FP32 || S == CISM_FP16 || S == CISM_INT8 ? 8 : 4;
+        const int R = S == CISM_FP32 || S == CISM_FP16 || S == CISM_INT8 || S == CISM_Q4K || S == CISM_Q6K ? 8 : 4;
         const size_t L = (r1 - r0) / R;
         for (size_t j = 0; j < L; j++) tile_f32(S, R, 1, W, r0 + j, L, A->x, A->ldx, Y, ldy);
         for (size_t r = r0 + R * L; r < r1; r++) tile_f32(S, 1, 1, W, r, 1, A->x, A->ldx, Y, ldy);
