@@ -106,7 +106,8 @@ void cism_pack_rows(int storage, const float *values, size_t cols, size_t r0, si
         case CISM_FP16: pack_fp16(v, cols, (uint16_t *)dst); break;
         case CISM_INT8: pack_int8(v, cols, (int8_t *)dst, row_scales + r); break;
         case CISM_INT4: pack_int4(v, cols, dst); break;
-        default: pack_fp4(v, cols, dst); break;
+        case CISM_FP4: pack_fp4(v, cols, dst); break;
+        default: break; /* q4_k, q6_k: only ever a GGUF file's own blocks (Matrix.from_ggml) */
         }
     }
 }

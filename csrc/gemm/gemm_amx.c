@@ -200,6 +200,8 @@ static void gemm_bf16_amx(const cism_mat *W, size_t r0, size_t r1, const cism_ac
     case CISM_FP16: gemm_bf16_tpl(CISM_FP16, W, r0, r1, A, T, Y, ldy); break;
     case CISM_INT8: gemm_bf16_tpl(CISM_INT8, W, r0, r1, A, T, Y, ldy); break;
     case CISM_INT4: gemm_bf16_tpl(CISM_INT4, W, r0, r1, A, T, Y, ldy); break;
+    /* (q4_k and q6_k never come here: matrix.pyx's pick_kernel keeps their
+     * canonical kernels under the bf16 precision) */
     default: gemm_bf16_tpl(CISM_FP4, W, r0, r1, A, T, Y, ldy); break;
     }
 }
