@@ -246,6 +246,16 @@ ALWAYS_INLINE void kq_part(const int S, const uint8_t *blk, const float sm[16], 
 
 ALWAYS_INLINE size_t kq_block_bytes(const int S) { return S == CISM_Q4K ? CISM_Q4_K_BYTES : CISM_Q6_K_BYTES; }
 
+/* Decode asks for the super-block KQ_PF ahead of blk (prefetches past the
+ * matrix are harmless): the rows' unpacking is slow enough that the
+ * hardware prefetchers fall behind (one thread, DRAM: q6_k x fp32 6.0 ->
+ * 7.5 GB/s, q4_k x int8 17 -> 20.5, q6_k x int8 14 -> 17.4). */
+#define KQ_PF 4
+ALWAYS_INLINE void kq_prefetch(const int S, const uint8_t *blk) {
+    for (size_t o = 0; o < kq_block_bytes(S); o += 64)
+        _mm_prefetch((const char *)blk + KQ_PF * kq_block_bytes(S) + o, _MM_HINT_T0);
+}
+
 /* An R x TT tile of dots: rows r, r + rs, ..., r + (R-1) rs, tokens of X
  * (row stride ldx). */
 ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_mat *W, size_t r,
@@ -262,7 +272,10 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
          * turns every 64 elements, so that their fma chains overlap */
         for (size_t sb = 0; sb < n / CISM_QK_K; sb++) {
             __attribute__((aligned(64))) float sm[8][16];
-            for (int i = 0; i < R; i++) kq_scales(S, p[i].codes + sb * kq_block_bytes(S), sm[i]);
+            for (int i = 0; i < R; i++) {
+                kq_prefetch(S, p[i].codes + sb * kq_block_bytes(S));
+                kq_scales(S, p[i].codes + sb * kq_block_bytes(S), sm[i]);
+            }
             for (int k = 0; k < 4; k++)
                 for (int i = 0; i < R; i++) {
                     __m512 w[4];
@@ -1346,6 +1359,8 @@ ALWAYS_INLINE void kq8_tile(const int S, const int VNNI, const int R, const int 
         for (int j = 0; j < TT; j++) kq8_token(S, VNNI, A, t + j, sb, &k[j]);
         for (int i = 0; i < P; i++) {
             const uint8_t *ba = rows[2 * i] + sb * bb, *bq = rows[2 * i + 1] + sb * bb;
+            kq_prefetch(S, ba);
+            kq_prefetch(S, bq);
             __m512i qa[4], qb[4];
             kq_scales2 p;
             kq8_codes(S, ba, qa);
