@@ -307,6 +307,9 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cism-gguf"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks stop the servers this
+    # run started (a killed run used to leave its cism serve child running)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import cism
     path = args.model or q8_gguf(args.out_dir)
     model = cism.load(path, precision="int8", act_precision="int8", threads=args.threads)
