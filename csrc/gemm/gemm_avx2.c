@@ -257,7 +257,11 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
                 kq_prefetch(S, p[i] + sb * kq_block_bytes(S));
                 kq_scales(S, p[i] + sb * kq_block_bytes(S), sm[i]);
             }
+            /* the factors are broadcast from memory (a load each), not
+             * from the registers GCC still holds them in (a shuffle each) */
+            __asm__ __volatile__("" : : "r"(sm) : "memory");
             for (int q = 0; q < 8; q++)
+#pragma GCC unroll 6
                 for (int i = 0; i < R; i++) {
                     __m256 w[4];
                     kq_sub32(S, p[i] + sb * kq_block_bytes(S), sm[i], q, w);

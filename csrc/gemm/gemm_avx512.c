@@ -276,7 +276,14 @@ ALWAYS_INLINE void tile_f32(const int S, const int R, const int TT, const cism_m
                 kq_prefetch(S, p[i].codes + sb * kq_block_bytes(S));
                 kq_scales(S, p[i].codes + sb * kq_block_bytes(S), sm[i]);
             }
+            /* the factors are broadcast from memory (a load each), not
+             * from the registers GCC still holds them in (a shuffle each,
+             * and the lookups are shuffles already) */
+            __asm__ __volatile__("" : : "r"(sm) : "memory");
+            /* (fully unrolled, or the accumulators live in memory) */
+#pragma GCC unroll 4
             for (int k = 0; k < 4; k++)
+#pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
                     __m512 w[4];
                     kq_part(S, p[i].codes + sb * kq_block_bytes(S), sm[i], k, w);
