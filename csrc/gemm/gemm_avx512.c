@@ -1364,6 +1364,8 @@ ALWAYS_INLINE void kq8_tile(const int S, const int VNNI, const int R, const int 
     for (size_t sb = 0; sb < W->cols / CISM_QK_K; sb++) {
         kq_tok k[4];
         for (int j = 0; j < TT; j++) kq8_token(S, VNNI, A, t + j, sb, &k[j]);
+        /* (fully unrolled, or the accumulators live in memory) */
+#pragma GCC unroll 4
         for (int i = 0; i < P; i++) {
             const uint8_t *ba = rows[2 * i] + sb * bb, *bq = rows[2 * i + 1] + sb * bb;
             kq_prefetch(S, ba);
@@ -1373,6 +1375,7 @@ ALWAYS_INLINE void kq8_tile(const int S, const int VNNI, const int R, const int 
             kq8_codes(S, ba, qa);
             kq8_codes(S, bq, qb);
             kq8_scales2(S, ba, bq, &p);
+#pragma GCC unroll 4
             for (int j = 0; j < TT; j++) acc[i][j] = kq8_fold2(S, VNNI, qa, qb, &p, &k[j], acc[i][j]);
         }
     }
