@@ -55,7 +55,8 @@
  * |m asum| <= 63 * 32 * 127, q6_k's |isum| <= 2 * 128 * 16 * 32 * 127 <
  * 2^24), so only the products d * ascale and the fmas round. Lanes in
  * place of one chain: a row's 8 sub-blocks (their scales and mins too)
- * unpack straight into the 8 lanes of a ymm, with no transposes.
+ * unpack straight into the 8 lanes of a ymm, with no transposes (and
+ * with tokens in lanes each of the 8 is one vector of 16 tokens).
  *
  * Vector activations (max errors against the double-precision function are
  * stated in act_ref.c and checked by tests/test_activations.py).

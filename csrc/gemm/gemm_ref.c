@@ -122,10 +122,11 @@ static void gemm_fp4_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_
  *         acc_j = fma(m_j * asum, -(dmin * ascale_b), acc_j)
  *   q6_k: acc_j = fma(sc_lo * isum_lo + sc_hi * isum_hi, d * ascale_b, acc_j)
  * with isum over q (Q4_K, 0..15) or code - 32 (Q6_K, per 16 elements) times
- * the activations, asum the activations' own sum. The SIMD variants keep
- * a dot's 8 lanes in one ymm: the scales of a super-block unpack straight
+ * the activations, asum the activations' own sum. SIMD decode keeps a
+ * dot's 8 lanes in one ymm: the scales of a super-block unpack straight
  * into those lanes, so nothing is transposed, and a lane's chain advances
- * once per 256 elements. */
+ * once per 256 elements (the VNNI prefill kernel keeps a vector per lane,
+ * 16 tokens wide). */
 static void gemm_q4k_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
                             float *Y, size_t ldy) {
     const size_t sblocks = W->cols / CISM_QK_K;
