@@ -99,47 +99,11 @@ def write_shape(shape, tokenizer_src, dst, seed=0):
     """An F32 GGUF of a dense SHAPES entry with random weights; the tokenizer
     comes from tokenizer_src, padded with unused tokens to the vocabulary."""
     import gguf
-    from cism.dense import Config, weight_shapes
-    # the loader's own GGUF <-> Hugging Face name tables
-    from cism.loaders.gguf_file import _GLOBAL_NAMES, _LAYER_NAMES, hf_name
-    c = Config(**SHAPES[shape])
-    arch = SHAPES[shape]["model_type"]
-    reader = gguf.GGUFReader(tokenizer_src)
-    writer = gguf.GGUFWriter(dst, arch)
-    writer.add_name(f"{shape} (random weights)")
-    writer.add_block_count(c.layers)
-    writer.add_context_length(c.context)
-    writer.add_embedding_length(c.hidden)
-    writer.add_feed_forward_length(c.intermediate)
-    writer.add_head_count(c.heads)
-    writer.add_head_count_kv(c.kv_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.eps)
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    pad = c.vocab - len(tokens)
-    if pad < 0:
-        raise ValueError(f"{tokenizer_src} has {len(tokens)} tokens, more than {shape}'s {c.vocab}")
-    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(reader.fields["tokenizer.ggml.pre"].contents())
-    writer.add_token_list(tokens + [f"<cism_pad_{i}>" for i in range(pad)])
-    writer.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
-    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos", "eos"):
-        writer.add_uint32(f"tokenizer.ggml.{key}_token_id",
-                          reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
-    # every name the loader maps that this config has (random weights need
-    # no Q/K row permutation)
-    names = {f"blk.{i}.{g}.weight" for i in range(c.layers) for g in _LAYER_NAMES} | set(_GLOBAL_NAMES)
-    shapes = weight_shapes(c, not c.tied)
+    from bench_common import shape_gguf_header
+    writer = gguf.GGUFWriter(dst, SHAPES[shape]["model_type"])
+    _, plan = shape_gguf_header(writer, shape, tokenizer_src, dst)
     rng = np.random.default_rng(seed)
-    for name in sorted(names):
-        hf = hf_name(dst, name)
-        if hf not in shapes:
-            continue
-        s = shapes[hf]
+    for name, s in plan:
         if len(s) == 1:
             writer.add_tensor(name, np.ones(s, np.float32))
         else:

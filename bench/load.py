@@ -111,38 +111,12 @@ def write_random_gguf(shape, tokenizer_src, dst, seed=0):
     (norms F32, as llama.cpp wants them), written a tensor at a time: the
     tensor table first, then each tensor's data as it is drawn."""
     import gguf
+    from bench_common import shape_gguf_header
     from cism.bench import SHAPES
-    from cism.dense import Config, weight_shapes
-    from cism.loaders.gguf_file import _GLOBAL_NAMES, _LAYER_NAMES, hf_name
-    c = Config(**SHAPES[shape])
-    reader = gguf.GGUFReader(tokenizer_src)
     tmp = dst + ".part"
-    w = gguf.GGUFWriter(tmp, c.model_type)
-    w.add_name(f"{shape} (random weights)")
-    w.add_block_count(c.layers)
-    w.add_context_length(c.context)
-    w.add_embedding_length(c.hidden)
-    w.add_feed_forward_length(c.intermediate)
-    w.add_head_count(c.heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.eps)
+    w = gguf.GGUFWriter(tmp, SHAPES[shape]["model_type"])
+    c, plan = shape_gguf_header(w, shape, tokenizer_src, dst)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    pad = c.vocab - len(tokens)
-    w.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(reader.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens + [f"<cism_pad_{i}>" for i in range(pad)])
-    w.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
-    w.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos", "eos"):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
-    names = {f"blk.{i}.{g}.weight" for i in range(c.layers) for g in _LAYER_NAMES} | set(_GLOBAL_NAMES)
-    shapes = weight_shapes(c, not c.tied)
-    plan = [(n, shapes[hf_name(dst, n)]) for n in sorted(names) if hf_name(dst, n) in shapes]
     for name, s in plan:
         dtype = np.float32 if len(s) == 1 else np.float16
         w.add_tensor_info(name, s, np.dtype(dtype), int(np.prod(s)) * np.dtype(dtype).itemsize)
