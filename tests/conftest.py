@@ -70,3 +70,9 @@ def isa_level():
     before = _kernels.isa()
     yield _kernels.set_isa
     _kernels.set_isa(before)
+
+
+@pytest.fixture(scope="session")
+def stories(data_dir):
+    """The tiny trained Llama of the shared data (llama2.c format)."""
+    return data_dir / "models" / "stories260K" / "stories260K.bin"

@@ -10,11 +10,6 @@ from reference import dense as ref_dense
 from reference import llama2c as ref_llama2c
 
 
-@pytest.fixture(scope="module")
-def stories(data_dir):
-    return data_dir / "models" / "stories260K" / "stories260K.bin"
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_stories260k_greedy_matches_run_c_reference(stories, threads):
     config, weights = ref_llama2c.load_checkpoint(stories)

@@ -12,11 +12,6 @@ from cism import cli, evaluate
 
 
 @pytest.fixture(scope="module")
-def stories(data_dir):
-    return data_dir / "models" / "stories260K" / "stories260K.bin"
-
-
-@pytest.fixture(scope="module")
 def model(stories):
     return cism.load(stories, threads=2)
 
