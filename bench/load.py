@@ -115,7 +115,7 @@ def write_random_gguf(shape, tokenizer_src, dst, seed=0):
     from cism.bench import SHAPES
     tmp = dst + ".part"
     w = gguf.GGUFWriter(tmp, SHAPES[shape]["model_type"])
-    c, plan = shape_gguf_header(w, shape, tokenizer_src, dst)
+    _, plan = shape_gguf_header(w, shape, tokenizer_src, dst)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for name, s in plan:
         dtype = np.float32 if len(s) == 1 else np.float16
