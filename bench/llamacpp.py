@@ -27,7 +27,7 @@ fairly. Each roofline uses a read of its own engine's weight bytes in the
 same run (for cism the faster of Model.scan and a same-sized buffer, for
 llama.cpp a same-sized buffer).
 
-    pip install llama-cpp-python     # see docs/PERFORMANCE.md for the build flags
+    pip install llama-cpp-python     # see docs/PERFORMANCE.md, "Reproduce", for the build flags
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
     python bench/llamacpp.py --shape qwen3-0.6b --repeats 3
     python bench/llamacpp.py --act int8
