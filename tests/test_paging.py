@@ -28,6 +28,7 @@ class PoolModel:
         self.n = n
         self.free = list(range(n - 1, -1, -1))
         self.table, self.ref, self.prio, self.seq, self.ctr = {}, [0] * n, {}, {}, 0
+        self.held = [0] * n  # references taken with retain_block (the prefix cache's)
 
     def need(self, n):
         return (n + 15) // 16
@@ -103,6 +104,29 @@ class PoolModel:
         self.table[r][bi] = new
         return (old, new)
 
+    def in_use(self, b):
+        return b < self.n and self.ref[b] > 0
+
+    def retain(self, b):
+        if not self.in_use(b):
+            return "free"
+        self.ref[b] += 1
+        self.held[b] += 1
+
+    def release_held(self, b):
+        self.ref[b] -= 1
+        self.held[b] -= 1
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+    def share(self, r, b):
+        if not self.in_use(b):
+            return "free"
+        if r not in self.table:
+            return "unknown"
+        self.ref[b] += 1
+        self.table[r].append(b)
+
     def evict(self, except_req):
         cands = [r for r in self.table if r != except_req]
         if not cands:
@@ -117,13 +141,14 @@ class PoolMachine(RuleBasedStateMachine):
     tags, one per element of a write (K apart from V, every block, position,
     layer and channel its own), written as a session would: whole blocks at
     allocate/ensure (prefill), the suffix of a fork's private tail block,
-    one position after copy_on_write (decode). After every step each live
-    block must hold exactly its tags, so a page lost or mixed up in grow,
-    evict, free, fork or copy-on-write fails the invariant. Tags are bit
-    patterns (compared through uint views) from a counter: positive finite
-    values, which in float16 wrap after 31743 tags (a run writes up to ~50k;
-    a live block holds 384), so a rare repeat can hide a mix-up but never
-    fail a correct pool."""
+    one position after copy_on_write (decode); blocks are also retained,
+    released and shared, as the engine's prefix cache does. After every
+    step each block in use (in a table or held) must hold exactly its tags,
+    so a page lost or mixed up in grow, evict, free, fork, copy-on-write or
+    a release fails the invariant. Tags are bit patterns (compared through
+    uint views) from a counter: positive finite values, which in float16
+    wrap after 31743 tags (a run writes up to ~50k; a block holds 384), so a
+    rare repeat can hide a mix-up but never fail a correct pool."""
 
     def __init__(self):
         super().__init__()
@@ -255,6 +280,32 @@ class PoolMachine(RuleBasedStateMachine):
                 self.copy_tags(out[1], out[0])
             self.write(self.model.table[r][pos // 16], pos % 16)
 
+    def some_block(self, data):
+        """A block in use, mostly, else any id (free, or past the pool)."""
+        used = [b for b in range(self.model.n) if self.model.ref[b]]
+        return data.draw(st.sampled_from(used) | st.integers(0, 15) if used else st.integers(0, 15))
+
+    @rule(data=st.data())
+    def retain_block(self, data):
+        b = self.some_block(data)
+        out = self.model.retain(b)
+        self.same_or_unchanged(out and "unknown", lambda: self.pool.retain_block(b), ValueError)
+
+    @precondition(lambda self: any(self.model.held))
+    @rule(data=st.data())
+    def release_block(self, data):
+        b = data.draw(st.sampled_from([b for b, h in enumerate(self.model.held) if h]))
+        self.model.release_held(b)
+        self.pool.release_block(b)
+
+    @rule(r=reqs, data=st.data())
+    def share_block(self, r, data):
+        """A cached prefix block appended to a request (the engine shares
+        only full blocks; a later write copies it first)."""
+        b = self.some_block(data)
+        out = self.model.share(r, b)
+        self.same_or_unchanged(out and "unknown", lambda: self.pool.share_block(r, b), ValueError)
+
     @rule(r=reqs)
     def evict(self, r):
         assert self.pool.evict_one(r) == self.model.evict(r)
@@ -274,6 +325,7 @@ class PoolMachine(RuleBasedStateMachine):
         old = self.model.n
         self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
         self.model.ref += [0] * extra
+        self.model.held += [0] * extra
         self.model.n += extra
         self.pool.grow(extra)
         for pages in (self.pool.k_pages, self.pool.v_pages):
@@ -290,17 +342,17 @@ class PoolMachine(RuleBasedStateMachine):
             for b in blocks:
                 holders[b] += 1
         for b in range(p.num_blocks):
-            assert p.refcount(b) == holders[b] == m.ref[b]
-            assert (holders[b] == 0) == (b in p.free_stack)  # free or referenced, never both
+            assert p.refcount(b) == holders[b] + m.held[b] == m.ref[b]
+            assert (m.ref[b] == 0) == (b in p.free_stack)  # free or referenced, never both
         assert p.used() == sum(len(b) for b in m.table.values())
-        assert p.phys_used() == p.num_blocks - p.free_count() == sum(h > 0 for h in holders)
+        assert p.phys_used() == p.num_blocks - p.free_count() == sum(r > 0 for r in m.ref)
         assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
 
     @invariant()
     def live_pages_hold_their_tags(self):
         p = self.pool
         assert p.k_pages.shape[0] == p.v_pages.shape[0] == p.num_blocks
-        for b in sorted({b for blocks in self.model.table.values() for b in blocks}):
+        for b in [b for b in range(self.model.n) if self.model.ref[b]]:  # in tables or held
             assert np.array_equal(self.page_bits(p.k_pages, b), self.k_tags[b]), f"K page of block {b}"
             assert np.array_equal(self.page_bits(p.v_pages, b), self.v_tags[b]), f"V page of block {b}"
 
