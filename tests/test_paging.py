@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cism import OutOfBlocks
 from cism.paging import BlockPool
 
+from conftest import hypothesis_examples
 from models import small_model
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -358,7 +359,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = settings(max_examples=hypothesis_examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_pool_basics_and_errors():
