@@ -1,11 +1,12 @@
 """Shared test fixtures: where the offline data lives, the SmolLM2 GGUF,
 llama.cpp's Llama 3 and Qwen2 vocab files, and the ISA levels this machine
-can run."""
+can run; the Hypothesis profile CI runs."""
 import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,6 +21,31 @@ def _find_data():
 
 
 DATA = _find_data()
+
+
+# --- Hypothesis in CI ---
+# Under CI=true Hypothesis would load its own "ci" profile, derandomized: every
+# run draws the same examples, so after the first one CI's time explores
+# nothing new. cism-ci keeps the randomness, so each CI run tries examples no
+# run tried before, and prints the seed and a @reproduce_failure blob with any
+# failure (print_blob), which replays it exactly. The price is that a bug may
+# first show on an unrelated change; it is a real bug, with its reproducer.
+# No example database (a fresh machine each run), no deadlines or too_slow
+# health check (two shared cores).
+settings.register_profile("cism-ci", max_examples=400, derandomize=False, database=None,
+                          print_blob=True, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+if os.environ.get("CI"):
+    settings.load_profile("cism-ci")
+
+
+def hypothesis_examples(n):
+    """n examples at Hypothesis' default scale (100 per test), scaled by the
+    loaded profile: n locally, 4n under cism-ci. A test's own max_examples
+    overrides the profile's, so tests cheap enough to run longer in CI give
+    their count through this; the slow ones (the engine machines, the
+    server's fuzzed bodies: 15-150 s each) keep a fixed count."""
+    return max(1, n * settings.default.max_examples // 100)
 
 
 def smollm2_path():

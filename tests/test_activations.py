@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from cism import _kernels
-from conftest import runnable_isas
+from conftest import hypothesis_examples, runnable_isas
 
 UNARY = ("exp", "sigmoid", "silu", "gelu")
 BINARY = ("silu_mul", "sigmoid_mul")
@@ -161,7 +161,7 @@ def test_every_length_and_offset(level, isa_level):
                 assert_same_bits(level, name, buf[off:off + n], bbuf[off:off + n])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=hypothesis_examples(150), deadline=None)
 @given(x=hnp.arrays(F32, st.integers(0, 200), elements=st.floats(width=32)),
        seed=st.integers(0, 2**32 - 1))
 def test_hypothesis_arrays_bitwise(x, seed):

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import runnable_isas
+from conftest import hypothesis_examples, runnable_isas
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 
@@ -200,7 +200,7 @@ def test_int4_zero_code_keeps_the_sign_of_a_negative_scale():
         assert np.array_equal(bits(g), bits(w))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=hypothesis_examples(60), deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 9),
        storage=st.sampled_from(STORAGES), scale=st.sampled_from([1.0, 1e-20, 1e20]),
        seed=st.integers(0, 2**32 - 1))

@@ -23,7 +23,7 @@ from cism import _kernels
 from cism.loaders import ggml_types
 from cism.matrix import Matrix
 
-from conftest import runnable_isas
+from conftest import hypothesis_examples, runnable_isas
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -265,7 +265,7 @@ def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage, rows, cols, T, 
             assert same_bits(m.gemm(X[:2], threads=3), want[act][:2]), (isa, act)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=hypothesis_examples(40), deadline=None)
 @given(storage=st.sampled_from(sorted(TYPES)), rows=st.integers(1, 40), blocks=st.integers(1, 6),
        T=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
        classes=st.lists(st.sampled_from(sorted(SCALE_CLASSES)), min_size=1, max_size=3, unique=True),

@@ -23,13 +23,14 @@ from hypothesis import strategies as st
 import malformed as M
 from cism.loaders import (Checkpoint, CheckpointError, load_checkpoint, load_gguf, load_hf_dir,
                           load_llama2c, read_config, read_gguf_metadata)
+from conftest import hypothesis_examples
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-HYPOTHESIS = settings(max_examples=40, deadline=None,
+HYPOTHESIS = settings(max_examples=hypothesis_examples(40), deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -936,7 +937,7 @@ def test_valid_corpus_bases_load(tmp_path):
     assert load_checkpoint(tmp_path / "m.bin").config["hidden_size"] == 8
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=hypothesis_examples(300), deadline=None)
 @given(kind=st.sampled_from(sorted(VALID)), data=st.data())
 def test_mutated_files_load_or_raise_checkpoint_error(kind, data):
     """Random byte edits and truncations: a Checkpoint or a CheckpointError,

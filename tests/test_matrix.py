@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import runnable_isas
+from conftest import hypothesis_examples, runnable_isas
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 ISAS = runnable_isas()
@@ -166,7 +166,7 @@ def test_int8_rounds_every_half_away_from_zero():
     assert m.codes[0, 0] == -127 and m.codes[0, 1] == -126 and m.codes[0, 253] == 127
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=hypothesis_examples(200), deadline=None)
 @given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
        st.integers(0, 3))
 def test_int8_packing_matches_the_rule_for_any_floats(values, rows):
@@ -231,7 +231,7 @@ def test_every_isa_matches_reference_bitwise(storage, isa_level):
                 assert same_bits(got[act], want[act]), (isa, storage, act, rows, cols, T)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=hypothesis_examples(60), deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
        storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1),
        wscale=st.sampled_from([1.0, 1e-30, 1e20]), xscale=st.sampled_from([1.0, 1e-20, 1e-36]))

@@ -9,11 +9,12 @@ import threading
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cism import OutOfBlocks
 from cism.paging import BlockPool
 
+from conftest import hypothesis_examples
 from models import small_model
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -28,6 +29,7 @@ class PoolModel:
         self.n = n
         self.free = list(range(n - 1, -1, -1))
         self.table, self.ref, self.prio, self.seq, self.ctr = {}, [0] * n, {}, {}, 0
+        self.held = [0] * n  # references taken with retain_block (the prefix cache's)
 
     def need(self, n):
         return (n + 15) // 16
@@ -103,6 +105,29 @@ class PoolModel:
         self.table[r][bi] = new
         return (old, new)
 
+    def in_use(self, b):
+        return b < self.n and self.ref[b] > 0
+
+    def retain(self, b):
+        if not self.in_use(b):
+            return "free"
+        self.ref[b] += 1
+        self.held[b] += 1
+
+    def release_held(self, b):
+        self.ref[b] -= 1
+        self.held[b] -= 1
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+    def share(self, r, b):
+        if not self.in_use(b):
+            return "free"
+        if r not in self.table:
+            return "unknown"
+        self.ref[b] += 1
+        self.table[r].append(b)
+
     def evict(self, except_req):
         cands = [r for r in self.table if r != except_req]
         if not cands:
@@ -113,23 +138,63 @@ class PoolModel:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """The pool against PoolModel, and its pages against what was written:
+    tags, one per element of a write (K apart from V, every block, position,
+    layer and channel its own), written as a session would: whole blocks at
+    allocate/ensure (prefill), the suffix of a fork's private tail block,
+    one position after copy_on_write (decode); blocks are also retained,
+    released and shared, as the engine's prefix cache does. After every
+    step each block in use (in a table or held) must hold exactly its tags,
+    so a page lost or mixed up in grow, evict, free, fork, copy-on-write or
+    a release fails the invariant. Tags are bit patterns (compared through
+    uint views) from a counter: positive finite values, which in float16
+    wrap after 31743 tags (a run writes up to ~50k; a block holds 384), so a
+    rare repeat can hide a mix-up but never fail a correct pool."""
+
     def __init__(self):
         super().__init__()
-        self.pool = BlockPool(6, 2, 3)
         self.model = PoolModel(6)
-        self.next_id = 0
+        self.k_tags, self.v_tags = {}, {}  # phys -> (layers, 16, ...) of uint, what its page holds
+        self.written = 0
+
+    @initialize(heads=st.sampled_from([1, 3]), dtype=st.sampled_from([np.float32, np.float16]))
+    def make_pool(self, heads, dtype):
+        # kv_width 6: one head, or three heads of 2 (the 5-d page views)
+        self.pool = BlockPool(6, 2, 6, dtype=dtype, head_dim=6 // heads)
+        self.uint = np.uint16 if dtype == np.float16 else np.uint32
+        self.tag_span = 0x7BFF if dtype == np.float16 else 0x7F7FFFFF  # positive finite bit patterns
+
+    def page_bits(self, pages, b):
+        return pages[b].view(self.uint)
+
+    def write(self, b, slots=slice(None)):
+        """Fresh tags into block b's keys and values at the given slots."""
+        for pages, tags in ((self.pool.k_pages, self.k_tags), (self.pool.v_pages, self.v_tags)):
+            if b not in tags:
+                tags[b] = np.zeros(pages.shape[1:], self.uint)
+            shape = tags[b][:, slots].shape
+            n = int(np.prod(shape))
+            fresh = (np.arange(self.written, self.written + n) % self.tag_span + 1).astype(self.uint)
+            self.written += n
+            tags[b][:, slots] = fresh.reshape(shape)
+            pages[b, :, slots] = fresh.reshape(shape).view(pages.dtype)
+
+    def copy_tags(self, dst, src, slots=slice(None)):
+        for tags in (self.k_tags, self.v_tags):
+            tags.setdefault(dst, np.zeros_like(tags[src]))[:, slots] = tags[src][:, slots]
 
     def snapshot(self):
         return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
 
     def same_or_unchanged(self, outcome, call, exc):
         before = self.snapshot()
-        k_before = self.pool.k_pages.copy()
+        k_before, v_before = self.pool.k_pages.copy(), self.pool.v_pages.copy()
         if outcome in ("dup", "unknown", "beyond", "oom"):
             with pytest.raises(exc):
                 call()
             assert self.snapshot() == before  # failed operations change nothing
-            assert np.array_equal(self.pool.k_pages, k_before)
+            assert np.array_equal(self.pool.k_pages.view(self.uint), k_before.view(self.uint))
+            assert np.array_equal(self.pool.v_pages.view(self.uint), v_before.view(self.uint))
             return False
         call()
         return True
@@ -147,9 +212,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.model.table.pop(r, None)
         self.same_or_unchanged(out, lambda: self.pool.allocate(r, n), OutOfBlocks)
         if out is None:
-            # write recognisable data into the new blocks
-            for i, b in enumerate(self.pool.get_blocks(r)):
-                self.pool.k_pages[b] = r * 100 + i
+            for b in self.pool.get_blocks(r):
+                self.write(b)  # prefill
 
     @rule(r=reqs, n=st.integers(0, 60))
     def ensure(self, r, n):
@@ -158,7 +222,9 @@ class PoolMachine(RuleBasedStateMachine):
         exc = ValueError if out == "unknown" else OutOfBlocks
         if out == "oom":
             self.model.table[r] = before
-        self.same_or_unchanged(out, lambda: self.pool.ensure(r, n), exc)
+        if self.same_or_unchanged(out, lambda: self.pool.ensure(r, n), exc):
+            for b in self.model.table[r][len(before):]:
+                self.write(b)
 
     @rule(r=reqs)
     def free(self, r):
@@ -173,7 +239,6 @@ class PoolMachine(RuleBasedStateMachine):
     def fork(self, d, s, n):
         src_blocks = list(self.model.table.get(s, []))
         free_before = list(self.model.free)
-        src_data = self.pool.k_pages.copy()
         out = self.model.fork(d, s, n)
         if isinstance(out, str):
             exc = OutOfBlocks if out == "oom" else ValueError
@@ -183,26 +248,64 @@ class PoolMachine(RuleBasedStateMachine):
         assert got == self.model.table[d]
         full = n // 16
         assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
-        if out is not None:  # the partial tail was copied into a private block
+        if out is not None:
+            # the partial tail was copied into a private block (checked by the
+            # invariant); the child then writes its suffix after it
             src_b, dst_b, tail = out
-            assert np.array_equal(self.pool.k_pages[dst_b, :, :tail], src_data[src_b, :, :tail])
+            self.copy_tags(dst_b, src_b, slice(None, tail))
+            self.write(dst_b, slice(tail, None))
         assert free_before[: len(self.model.free)] == self.model.free
 
     @rule(r=reqs, pos=st.integers(0, 70))
     def copy_on_write(self, r, pos):
-        data = self.pool.k_pages.copy()
         out = self.model.cow(r, pos)
         exc = OutOfBlocks if out == "oom" else ValueError
         if isinstance(out, str):
             self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), exc)
             return
         self.pool.copy_on_write(r, pos)
-        assert np.array_equal(self.pool.k_pages[[b for b in range(6) if b not in (out or (None, None))[1:]]],
-                              data[[b for b in range(6) if b not in (out or (None, None))[1:]]])
         if out:
             old, new = out
-            assert np.array_equal(self.pool.k_pages[new], data[old])  # full copy
-            assert np.array_equal(self.pool.k_pages[old], data[old])  # the shared block is untouched
+            self.copy_tags(new, old)  # a full copy; the shared block stays as it was
+
+    @precondition(lambda self: any(self.model.table.values()))
+    @rule(data=st.data())
+    def decode_write(self, data):
+        """A session writes one position: copy_on_write first, so blocks
+        other requests share never change."""
+        r = data.draw(st.sampled_from(sorted(q for q, b in self.model.table.items() if b)))
+        pos = data.draw(st.integers(0, 16 * len(self.model.table[r]) - 1))
+        out = self.model.cow(r, pos)
+        if self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), OutOfBlocks):
+            if out:
+                self.copy_tags(out[1], out[0])
+            self.write(self.model.table[r][pos // 16], pos % 16)
+
+    def some_block(self, data):
+        """A block in use, mostly, else any id (free, or past the pool)."""
+        used = [b for b in range(self.model.n) if self.model.ref[b]]
+        return data.draw(st.sampled_from(used) | st.integers(0, 15) if used else st.integers(0, 15))
+
+    @rule(data=st.data())
+    def retain_block(self, data):
+        b = self.some_block(data)
+        out = self.model.retain(b)
+        self.same_or_unchanged(out and "unknown", lambda: self.pool.retain_block(b), ValueError)
+
+    @precondition(lambda self: any(self.model.held))
+    @rule(data=st.data())
+    def release_block(self, data):
+        b = data.draw(st.sampled_from([b for b, h in enumerate(self.model.held) if h]))
+        self.model.release_held(b)
+        self.pool.release_block(b)
+
+    @rule(r=reqs, data=st.data())
+    def share_block(self, r, data):
+        """A cached prefix block appended to a request (the engine shares
+        only full blocks; a later write copies it first)."""
+        b = self.some_block(data)
+        out = self.model.share(r, b)
+        self.same_or_unchanged(out and "unknown", lambda: self.pool.share_block(r, b), ValueError)
 
     @rule(r=reqs)
     def evict(self, r):
@@ -220,10 +323,14 @@ class PoolMachine(RuleBasedStateMachine):
     def grow(self, extra):
         if self.model.n + extra > 14:
             return
+        old = self.model.n
         self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
         self.model.ref += [0] * extra
+        self.model.held += [0] * extra
         self.model.n += extra
         self.pool.grow(extra)
+        for pages in (self.pool.k_pages, self.pool.v_pages):
+            assert not pages[old:].view(self.uint).any()  # the new blocks are zeroed
 
     @invariant()
     def matches_model(self):
@@ -236,15 +343,23 @@ class PoolMachine(RuleBasedStateMachine):
             for b in blocks:
                 holders[b] += 1
         for b in range(p.num_blocks):
-            assert p.refcount(b) == holders[b] == m.ref[b]
-            assert (holders[b] == 0) == (b in p.free_stack)  # free or referenced, never both
+            assert p.refcount(b) == holders[b] + m.held[b] == m.ref[b]
+            assert (m.ref[b] == 0) == (b in p.free_stack)  # free or referenced, never both
         assert p.used() == sum(len(b) for b in m.table.values())
-        assert p.phys_used() == p.num_blocks - p.free_count() == sum(h > 0 for h in holders)
+        assert p.phys_used() == p.num_blocks - p.free_count() == sum(r > 0 for r in m.ref)
         assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+
+    @invariant()
+    def live_pages_hold_their_tags(self):
+        p = self.pool
+        assert p.k_pages.shape[0] == p.v_pages.shape[0] == p.num_blocks
+        for b in [b for b in range(self.model.n) if self.model.ref[b]]:  # in tables or held
+            assert np.array_equal(self.page_bits(p.k_pages, b), self.k_tags[b]), f"K page of block {b}"
+            assert np.array_equal(self.page_bits(p.v_pages, b), self.v_tags[b]), f"V page of block {b}"
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = settings(max_examples=hypothesis_examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_pool_basics_and_errors():

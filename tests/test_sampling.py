@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cism import sampling
+from conftest import hypothesis_examples
 
 
 def test_mt19937_64_matches_the_cpp_standard():
@@ -42,7 +43,7 @@ def spec_sample(logits, temperature, top_p, top_k, u64):
     return order[nucleus - 1]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=hypothesis_examples(200), deadline=None)
 @given(n=st.integers(1, 300), seed=st.integers(0, 2**64 - 1), temperature=st.floats(0.05, 3),
        top_p=st.floats(0.01, 1.0), top_k=st.integers(0, 300), ties=st.booleans())
 def test_sampler_matches_the_spec_rule(n, seed, temperature, top_p, top_k, ties):
@@ -128,7 +129,7 @@ def spec_draft(history, k):
     return cand
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=hypothesis_examples(300), deadline=None)
 @given(history=st.lists(st.integers(0, 5), max_size=40), k=st.integers(0, 16))
 def test_drafter_matches_the_spec_rule(history, k):
     assert sampling.draft(history, k) == spec_draft(history, k)

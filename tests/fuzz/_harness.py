@@ -2,7 +2,11 @@
 
 A target is ``fuzz_<name>.py`` with a ``one_input(data: bytes)`` function and
 a ``seeds()`` generator; run it with ``python tests/fuzz/fuzz_<name>.py
-[libFuzzer flags]``. The rules every input must obey:
+[libFuzzer flags]``, or ``--replay`` to feed it, without atheris, its committed
+seeds (``seeds/<name>/``: inputs a fuzzing run found, and every crash found so
+far), what ``seeds()`` generates and any saved artifacts
+(tests/test_fuzz_replay.py runs that for every target). The rules every input
+must obey:
 
 - the only exception is a ValueError (CheckpointError is one) whose message
   names the file or directory that was handed over;
@@ -11,7 +15,9 @@ a ``seeds()`` generator; run it with ``python tests/fuzz/fuzz_<name>.py
   header fails loudly instead of passing unnoticed on a big machine;
 - no hang (libFuzzer's -timeout, 10 s by default here).
 """
+import atexit
 import contextlib
+import glob
 import os
 import resource
 import shutil
@@ -42,11 +48,12 @@ def instrumented():
 
 class Workdir:
     """One scratch directory per target (in /dev/shm when there is one),
-    emptied before each input."""
+    emptied before each input, removed at exit."""
 
     def __init__(self, name):
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.root = tempfile.mkdtemp(prefix=f"cism-fuzz-{name}-", dir=base)
+        atexit.register(shutil.rmtree, self.root, True)
 
     def fresh(self):
         for entry in os.listdir(self.root):
@@ -84,15 +91,26 @@ def cap_memory():
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
 
+def committed_seeds(name):
+    """Paths of the seeds kept in git for a target (tests/fuzz/seeds/<name>/)."""
+    d = os.path.join(HERE, "seeds", name)
+    return sorted(os.path.join(d, f) for f in os.listdir(d)) if os.path.isdir(d) else []
+
+
 def main(one_input, seeds, name):
-    """Run under atheris: the seed corpus goes to tests/fuzz/corpus/<name>
-    (written on first use) unless corpus directories are given."""
+    """Run under atheris: the corpus is tests/fuzz/corpus/<name> (on first
+    use the committed seeds and seeds()) unless corpus directories are
+    given. With --replay, run replay() instead."""
+    if "--replay" in sys.argv[1:]:
+        sys.exit(replay(one_input, seeds, name))
     import atheris
     args = list(sys.argv)
     if not any(not a.startswith("-") for a in args[1:]):
         corpus = os.path.join(HERE, "corpus", name)
         if not os.path.isdir(corpus):
             os.makedirs(corpus)
+            for path in committed_seeds(name):
+                shutil.copy(path, corpus)
             for i, data in enumerate(seeds()):
                 with open(os.path.join(corpus, f"seed-{i:04d}"), "wb") as f:
                     f.write(data[:MAX_LEN])
@@ -121,13 +139,36 @@ def main(one_input, seeds, name):
     atheris.Fuzz()
 
 
-def replay(one_input, seeds):
-    """Feed every seed through one_input without atheris (a quick self-check)."""
-    n = 0
-    for data in seeds():
-        one_input(data[:MAX_LEN])
-        n += 1
-    return n
+def replay(one_input, seeds, name):
+    """Feed one target, without atheris and under the same address-space
+    cap, its committed seeds, then seeds(), then the saved artifacts
+    (tests/fuzz/artifacts/<name>-*). An input that breaks a rule raises
+    out of here after its name is printed; the last line counts the inputs
+    of each kind (tests/test_fuzz_replay.py reads it). Returns 0."""
+    cap_memory()
+
+    def feed(label, data):
+        try:
+            one_input(data[:MAX_LEN])
+        except BaseException:
+            print(f"{name}: input {label} broke a rule", file=sys.stderr, flush=True)
+            raise
+
+    committed = committed_seeds(name)
+    for path in committed:
+        with open(path, "rb") as f:
+            feed(os.path.relpath(path, REPO), f.read())
+    generated = 0
+    for generated, data in enumerate(seeds(), 1):
+        feed(f"seeds()[{generated - 1}]", data)
+    artifacts = [p for p in sorted(glob.glob(os.path.join(HERE, "artifacts", f"{name}-*")))
+                 if not p.endswith(".log")]
+    for path in artifacts:
+        with open(path, "rb") as f:
+            feed(os.path.relpath(path, REPO), f.read())
+    print(f"{name}: replayed {len(committed)} committed seeds, {generated} generated, "
+          f"{len(artifacts)} artifacts", flush=True)
+    return 0
 
 
 # --- several files in one input ------------------------------------------------
