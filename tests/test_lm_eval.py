@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,3 +288,33 @@ def test_every_family_through_simple_evaluate(family, precision, family_dirs, ge
         stopped += "e" in text
         assert s["resps"][0][0] == text.split("e")[0]
     assert stopped > 0
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line(hf_dir, task_dir, tmp_path):
+    """`python -m cism.lm_eval` is lm-eval's own command line (its legacy
+    form, without the `run` subcommand, as `lm_eval --model ...` takes it)
+    with "cism" registered: it runs a local task and writes the results and
+    samples simple_evaluate gives in process. (lm-eval 0.4 reads no entry
+    points for models, so its own `lm_eval` command cannot know "cism".)"""
+    import subprocess
+    import sys
+
+    args = f"pretrained={hf_dir},precision=fp32,threads=2,max_length={MAX_LENGTH}"
+    root = str(Path(__file__).resolve().parents[1])   # this tree's cism, not an installed one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "cism.lm_eval", "--model", "cism", "--model_args", args,
+                          "--tasks", "cism_cloze", "--include_path", str(task_dir),
+                          "--output_path", str(tmp_path), "--log_samples"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "cism_cloze" in run.stdout
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    samples = [json.loads(line) for line in next(tmp_path.rglob("samples_cism_cloze_*.jsonl")).open()]
+    want = evaluate("cism", args, task_dir, ["cism_cloze"])
+    assert results["results"]["cism_cloze"]["acc,none"] == want["results"]["cism_cloze"]["acc,none"]
+    # lm-eval writes the responses as str(); a float's str() reads back exactly
+    got = [(float(r[0][0]), r[0][1] == "True") for s in sorted(samples, key=lambda s: s["doc_id"])
+           for r in s["resps"]]
+    assert len(got) == 160
+    assert got == [tuple(r[0]) for r in per_request(want, "cism_cloze")]
