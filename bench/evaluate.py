@@ -56,7 +56,7 @@ def cloze_questions(data, n, choices, seed=0):
 
 def task_requests(directory, name, questions):
     """The lm-eval Instances of a local multiple-choice task over questions."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
     with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
         for q in questions:
             f.write(json.dumps(q) + "\n")
@@ -75,7 +75,7 @@ target_delimiter: ""
 metric_list:
   - metric: acc
 """)
-    task = get_task_dict([name], TaskManager(include_path=directory, include_defaults=False))[name]
+    task = TaskManager(include_path=directory, include_defaults=False).load([name])["tasks"][name]
     task.build_all_requests(rank=0, world_size=1)
     return task.instances
 
