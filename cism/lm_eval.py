@@ -5,10 +5,16 @@ the model name "cism" with lm-eval (`pip install "cism[eval]"`).
     lm_eval.simple_evaluate(model="cism", model_args="pretrained=PATH,precision=int8",
                             tasks=["my_task"], task_manager=lm_eval.tasks.TaskManager(include_path=DIR))
 
-or from the shell, lm-eval's own command with cism registered first (lm-eval
-0.4 finds models only in its registry, not through package entry points):
+or from the shell, lm-eval's own command line with cism registered first:
 
-    python -m cism.lm_eval run --model cism --model_args pretrained=PATH --tasks my_task --include_path DIR
+    python -m cism.lm_eval --model cism --model_args pretrained=PATH --tasks my_task --include_path DIR
+    cism-lm-eval --model cism ...          (the same, as an installed script)
+
+`lm_eval --model cism` itself cannot work with lm-eval 0.4.13: its model
+registry accepts entry points as lazy entries but nothing reads an entry-point
+group into it (lm_eval/models/__init__.py registers its own MODEL_MAPPING
+only), and the command imports no user module before looking the name up
+(--include_path is read for task YAMLs, not for models).
 
 model_args: pretrained (a path, or a loaded cism model), precision,
 act_precision, kv_precision, prefill_precision, threads, max_length (default:
@@ -44,7 +50,6 @@ from cism.evaluate import log_softmax
 __all__ = ["CismLM"]
 
 
-@register_model("cism")
 class CismLM(TemplateLM):
     def __init__(self, pretrained=None, precision="auto", act_precision="fp32", kv_precision="fp32",
                  prefill_precision="exact", threads=None, max_length=None, fork=True,
@@ -201,6 +206,13 @@ class CismLM(TemplateLM):
         return out
 
 
+# Registered under the module's import name only: `python -m cism.lm_eval`
+# runs this file as __main__ and then imports it as cism.lm_eval (below), and
+# lm-eval's registry refuses a second class under one name.
+if __name__ != "__main__":
+    register_model("cism")(CismLM)
+
+
 def main(argv=None):
     """lm-eval's command line with the "cism" model registered."""
     from lm_eval.__main__ import cli_evaluate
@@ -210,4 +222,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from cism.lm_eval import main as _main   # registers "cism"
+    _main()
