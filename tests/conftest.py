@@ -64,6 +64,29 @@ def runnable_isas():
 
 
 @pytest.fixture
+def amx_unit():
+    """The amx level, on the real tile unit where the CPU has one and on the
+    emulated one (tests/amx_emulator.py) elsewhere; yields "real" or
+    "emulated" and restores the level in use afterwards."""
+    from cism import _kernels
+    if "amx" in runnable_isas():
+        before = _kernels.isa()
+        _kernels.set_isa("amx")
+        try:
+            yield "real"
+        finally:
+            _kernels.set_isa(before)
+        return
+    import amx_emulator as unit
+    try:
+        unit.library()
+    except unit.Unavailable as e:
+        pytest.skip(f"no AMX here and no emulated unit: {e}")
+    with unit.emulated():
+        yield "emulated"
+
+
+@pytest.fixture
 def isa_level():
     """Yields a setter that switches the dispatch table; restores it afterwards."""
     from cism import _kernels
