@@ -18,10 +18,10 @@ from hypothesis import given, settings, strategies as st
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import runnable_isas
+from conftest import isas_under_test
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
-ISAS = runnable_isas()
+ISAS = isas_under_test()
 
 # Accuracy of W @ x against float64 for Gaussian weights and activations:
 # normalised mean squared error bound per (storage, act_precision).
