@@ -244,10 +244,14 @@ def test_generation_after_bf16_prefill_agrees_across_session_kinds(amx_unit):
     assert not np.array_equal(ref.last_logits, s.last_logits)
 
 
-def test_cli_prefill_precision(data_dir, capsys):
+@pytest.mark.parametrize("unit", ["as found", "amx"])
+def test_cli_prefill_precision(data_dir, capsys, unit, request):
     """--prefill-precision: bf16 perplexity close to exact; a note, not an
-    error, where bf16 cannot run."""
+    error, where bf16 cannot run (as found on a CPU without AMX; with the
+    tile unit, real or emulated, the bf16 branch)."""
     import json
+    if unit == "amx":
+        request.getfixturevalue("amx_unit")
 
     from cism import cli
     stories = data_dir / "models" / "stories260K" / "stories260K.bin"
