@@ -96,7 +96,8 @@ def test_amx_bf16_kernel_is_the_tile_units_arithmetic(emulated_unit, storage, ro
         for threads in (1, 2, 3):
             got = m.gemm(X, threads=threads)
             bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
-            assert not len(bad), f"T={T}, {threads} threads: {len(bad)} outputs differ, first (token, row) {bad[:4].tolist()}"
+            assert not len(bad), \
+                f"T={T}, {threads} threads: {len(bad)} outputs differ, first (token, row) {bad[:4].tolist()}"
         exact, mag = emulate(m, X)
         assert np.all(np.abs(want - exact) <= 2e-6 * mag + 1e-30)
 
