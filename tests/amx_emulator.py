@@ -13,6 +13,7 @@ sanitizers, which then check the bounds of every (emulated) tile load and
 store.
 """
 import ast
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -48,8 +49,11 @@ def _build():
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise Unavailable("no C compiler")
-    # kept for the whole session: cism's table may point into the library
-    lib = os.path.join(tempfile.mkdtemp(prefix="cism-amx-"), "amx_emulated.so")
+    # loaded for the whole session (cism's table may point into it); the
+    # file goes at exit
+    tmp = tempfile.mkdtemp(prefix="cism-amx-")
+    atexit.register(shutil.rmtree, tmp, True)
+    lib = os.path.join(tmp, "amx_emulated.so")
     # every AMX CPU has VBMI and GFNI, an AVX-512 VNNI one may not: without
     # them the kernels' portable nibble code is built (as at avx512vnni)
     flags = [f for f in amx_flags()
