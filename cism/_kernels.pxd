@@ -132,6 +132,8 @@ cdef extern from "kernels.h" nogil:
     const char *cism_isa_name(int level)
     const char *cism_isa_error()
     int cism_set_isa(int level)
+    ctypedef void (*cism_amx_emulator)(cism_kernels *k, void *(*scratch_get)(size_t), void (*scratch_put)(void *))
+    int cism_emulate_amx(cism_amx_emulator fill)
 
 # The dispatch table, filled once when cism._kernels is imported. Other
 # modules cimport this function, so every module shares one table.

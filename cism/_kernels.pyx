@@ -64,6 +64,17 @@ def _fail_scratch(int n):
     return cism_scratch_fail(n)
 
 
+def _emulate_amx(size_t fill):
+    """Test hook: run the amx level on the emulated tile unit whose table
+    filler is at address ``fill`` (``cism_emu_fill`` of
+    tests/native/amx_harness.c, loaded with ctypes and kept loaded), where
+    the CPU has no tile unit; ``0`` removes it. ``set_isa("amx")`` then
+    installs the emulated kernels; ``isa_max()``, ``available_isas()`` and
+    ``cpu_features()`` still say what the CPU has (csrc/kernels.h)."""
+    if cism_emulate_amx(<cism_amx_emulator>fill) != 0:
+        raise ValueError("the AMX kernels' vector parts need the avx512vnni level and AVX512-BF16")
+
+
 def set_isa(name):
     """Refill the dispatch table at the given level (for tests and benchmarks).
 

@@ -5,6 +5,7 @@
  * ask for it with arch_prctl, and a hypervisor may hide AVX-512 state. */
 #define _GNU_SOURCE /* syscall() */
 #include "kernels.h"
+#include "scratch.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@ static cism_cpu cpu;
 static int level_in_use = -1;
 static int level_max = CISM_ISA_REF;
 static const char *isa_error = "";
+static cism_amx_emulator amx_emulator; /* tests only: cism_emulate_amx */
 
 static const char *const level_names[] = {"ref", "avx2", "avx512", "avx512vnni", "amx"};
 
@@ -101,8 +103,9 @@ static void fill(int level) {
     if (level >= CISM_ISA_AVX2) { cism_fill_gemm_avx2(&table); cism_fill_act_avx2(&table); }
     if (level >= CISM_ISA_AVX512) { cism_fill_gemm_avx512(&table); cism_fill_act_avx512(&table); }
     if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_avx512vnni(&table);
+    if (level >= CISM_ISA_AMX && amx_emulator) amx_emulator(&table, cism_scratch_get, cism_scratch_put);
 #ifdef CISM_HAVE_AMX
-    if (level >= CISM_ISA_AMX) cism_fill_gemm_amx(&table);
+    else if (level >= CISM_ISA_AMX) cism_fill_gemm_amx(&table);
 #endif
 #endif
     level_in_use = level;
@@ -133,8 +136,18 @@ int cism_init(void) {
 
 int cism_set_isa(int level) {
     cism_init();
-    if (level < 0 || level > level_max) return -1;
+    const int top = amx_emulator ? CISM_ISA_AMX : level_max;
+    if (level < 0 || level > top) return -1;
     fill(level);
+    return 0;
+}
+
+int cism_emulate_amx(cism_amx_emulator emulator) {
+    cism_init();
+    if (emulator && !(level_max >= CISM_ISA_AVX512VNNI && cpu.avx512bf16)) return -1;
+    amx_emulator = emulator;
+    if (level_in_use > level_max) fill(level_max);
+    else if (level_in_use == CISM_ISA_AMX) fill(CISM_ISA_AMX); /* the real unit again, or now emulated */
     return 0;
 }
 

@@ -203,6 +203,17 @@ const char *cism_isa_error(void);
 /* Force a level (tests): fills the table again; returns 0 or -1 when the
  * CPU cannot run it. Not thread-safe: call while no kernel runs. */
 int cism_set_isa(int level);
+/* Tests only: an emulated tile unit for the amx level where the CPU has none.
+ * `fill` (tests/native/amx_harness.c: gemm_amx.c built over scalar stand-ins
+ * for the tile instructions) fills the amx slots, given this library's
+ * scratch functions so that cism_scratch_fail reaches its kernels. While it
+ * is installed cism_set_isa(CISM_ISA_AMX) fills the table with it; NULL
+ * removes it (a table at that level drops to the highest real one).
+ * cism_isa_max() and cism_cpu_features() keep telling what the CPU has.
+ * Returns -1 where the kernels' vector parts cannot run (below avx512vnni or
+ * without AVX512-BF16). Not thread-safe, as cism_set_isa. */
+typedef void (*cism_amx_emulator)(cism_kernels *k, void *(*scratch_get)(size_t), void (*scratch_put)(void *));
+int cism_emulate_amx(cism_amx_emulator fill);
 
 /* Table fillers, one per family and ISA, each in its own translation unit
  * compiled with only that ISA's flags. */

@@ -89,6 +89,104 @@ def runnable_isas():
     return list(_kernels.available_isas())
 
 
+def cpuinfo_flags():
+    """The CPU flags Linux reports in /proc/cpuinfo (first processor), or
+    None where there is no such file. Linux lists a feature only when it
+    also saves the feature's registers (it clears AVX-512's flags when
+    XCR0 lacks their state), as cism's XGETBV check does."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def amx_permitted():
+    """Whether Linux grants this process the AMX tile data state: asked here
+    with the same arch_prctl call csrc/dispatch.c makes (granting is
+    idempotent), not read back from cism."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_arch_prctl = 0x1023, 18, 158
+    return libc.syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
+# cism._kernels.cpu_features() key -> what /proc/cpuinfo calls it
+CPUINFO_NAMES = {
+    "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni",
+    "avx512vbmi": "avx512vbmi", "gfni": "gfni", "avx_vnni": "avx_vnni", "amx_tile (OS state)": "amx_tile",
+    "avx512_bf16": "avx512_bf16", "amx_bf16": "amx_bf16", "amx_int8": "amx_int8",
+}
+
+
+def expected_cpu_features(flags):
+    """cpu_features() as the /proc/cpuinfo flags say it must read."""
+    want = {key: name in flags for key, name in CPUINFO_NAMES.items()}
+    # cism counts GFNI only for its AVX-512 forms (the amx level's nibbles)
+    want["gfni"] = want["gfni"] and want["avx512f"]
+    amx = want["amx_tile (OS state)"] and want["amx_bf16"] and want["amx_int8"] and want["avx512_bf16"]
+    want["amx granted"] = amx and amx_permitted() and os.environ.get("CISM_NO_AMX", "") in ("", "0")
+    return want
+
+
+def expected_isas():
+    """The ISA levels this CPU runs, lowest first, from /proc/cpuinfo (not
+    from cism's own detection): what cism._kernels.available_isas() must
+    say, and what the tests' `for isa in ISAS` loops go over. None where
+    /proc/cpuinfo has no flags (not Linux); ["ref"] off x86."""
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return ["ref"]
+    flags = cpuinfo_flags()
+    if flags is None:
+        return None
+    f = expected_cpu_features(flags)
+    levels = ["ref"]
+    for name, needs in [("avx2", ["avx2", "fma", "f16c"]),
+                        ("avx512", ["avx512f", "avx512bw", "avx512vl", "avx512dq"]),
+                        ("avx512vnni", ["avx512vnni"]),
+                        ("amx", ["amx granted", "avx512vbmi", "gfni"])]:
+        if not all(f[k] for k in needs):
+            break
+        levels.append(name)
+    return levels
+
+
+def isas_under_test():
+    """The levels the tests' `for isa in ISAS` loops go over: every level
+    /proc/cpuinfo says this CPU runs (so a level the runtime fails to
+    detect fails those tests when they install it, instead of being left
+    out), or cism's own list where there is no /proc/cpuinfo."""
+    return expected_isas() or runnable_isas()
+
+
+@pytest.fixture
+def amx_unit():
+    """The amx level, on the real tile unit where the CPU has one and on the
+    emulated one (tests/amx_emulator.py) elsewhere; yields "real" or
+    "emulated" and restores the level in use afterwards."""
+    from cism import _kernels
+    if "amx" in runnable_isas():
+        before = _kernels.isa()
+        _kernels.set_isa("amx")
+        try:
+            yield "real"
+        finally:
+            _kernels.set_isa(before)
+        return
+    import amx_emulator as unit
+    try:
+        unit.library()
+    except unit.Unavailable as e:
+        pytest.skip(f"no AMX here and no emulated unit: {e}")
+    with unit.emulated():
+        yield "emulated"
+
+
 @pytest.fixture
 def isa_level():
     """Yields a setter that switches the dispatch table; restores it afterwards."""

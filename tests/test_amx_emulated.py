@@ -1,74 +1,34 @@
-"""The AMX integer kernels (csrc/gemm/gemm_amx.c) on an emulated tile unit.
-
-Where the CPU has no AMX (or Linux does not grant it) the kernels cannot
-run, so their logic (tile configurations, addressing, the pipelined
-issue/fold steps, row and token tails, the 4-bit unpacking) is tested here
-over scalar stand-ins for the tile instructions (tests/native/amx_emulate.h):
-a small library built with gcc from the kernel source and the harness,
-compared bit for bit with the reference kernels. On AMX machines
-tests/test_matrix.py runs the same kernels on the real unit. Under
-tools/sanitize.sh the library is built with the sanitizers, which then
-check the bounds of every (emulated) tile load and store.
+"""The AMX kernels (csrc/gemm/gemm_amx.c) on the emulated tile unit of
+tests/amx_emulator.py, on every CPU with AVX-512 VNNI and AVX512-BF16 (a
+real tile unit or not): the integer x q8 kernels bit for bit against the
+reference kernels, the bf16 kernel bit for bit against test_bf16.py's
+emulate_tile_unit (the SDM's TDPBF16PS arithmetic), over row, token and
+column tails and thread splits. On AMX machines tests/test_matrix.py and
+tests/test_bf16.py run the same kernels on the real unit.
 """
-import ast
-import ctypes
-import os
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 
+import amx_emulator
 from cism import _kernels
-from cism.matrix import Matrix
+from cism.matrix import FLOAT_STORAGES, Matrix
 
-from conftest import runnable_isas
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def amx_flags():
-    """setup.py's ISA_FLAGS["amx"], read without running setup.py."""
-    with open(os.path.join(ROOT, "setup.py")) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ISA_FLAGS":
-            return ast.literal_eval(node.value)["amx"]
-    raise AssertionError("ISA_FLAGS not found in setup.py")
+from test_bf16 import emulate, emulate_tile_unit
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    if "avx512vnni" not in runnable_isas():
-        pytest.skip("the AMX kernels' vector parts need AVX-512 VNNI")
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    lib = str(tmp_path_factory.mktemp("amx") / "amx_emulated.so")
-    # every AMX CPU has VBMI and GFNI, an AVX-512 VNNI one may not: without
-    # them the kernels' portable nibble code is built (as at avx512vnni)
-    feats = _kernels.cpu_features()
-    flags = [f for f in amx_flags()
-             if not (f == "-mavx512vbmi" and not feats["avx512vbmi"]) and not (f == "-mgfni" and not feats["gfni"])]
-    cmd = [cc, "-std=c11", "-O1", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", *flags,
-           "-I", os.path.join(ROOT, "csrc"), os.path.join(HERE, "native", "amx_harness.c"), "-o", lib]
-    sanitize = os.environ.get("CISM_SANITIZE", "").strip()
-    if sanitize:
-        # under tools/sanitize.sh: the emulated tile loads and stores are
-        # plain memory accesses, so AddressSanitizer checks their bounds
-        cmd += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
-        if "undefined" in sanitize.split(","):
-            cmd.append("-fno-sanitize-recover=undefined")
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0 and "amx" in p.stderr:
-        pytest.skip(f"the compiler does not take the AMX flags: {p.stderr.strip()[:200]}")
-    assert p.returncode == 0, p.stderr
-    h = ctypes.CDLL(lib)
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    h.cism_emu_gemm_q8.argtypes = [ctypes.c_int, vp, sz, sz, sz, sz, vp, vp, vp, sz, sz, sz, sz, sz, vp]
-    h.cism_emu_gemm_q8.restype = ctypes.c_int
-    return h
+def harness():
+    try:
+        return amx_emulator.library()
+    except amx_emulator.Unavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def emulated_unit(harness):
+    """cism's amx level on the emulated unit, even where a real one exists."""
+    with amx_emulator.emulated() as h:
+        yield h
 
 
 STORAGE_ID = {"int8": 2, "int4": 3, "fp4": 4}
@@ -114,3 +74,57 @@ def test_amx_integer_kernels_match_the_reference(harness, storage, rows, cols, i
             got = emulated(harness, m, X, r0, r1).view(np.uint32)
             bad = np.argwhere(got != want[:, r0:r1].view(np.uint32))
             assert not len(bad), f"T={T}, rows [{r0}, {r1}): {len(bad)} outputs differ, first (token, row) {bad[:4].tolist()}"
+
+
+@pytest.mark.parametrize("storage", FLOAT_STORAGES)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (16, 32), (37, 33), (32, 64), (50, 100), (70, 1040)])
+def test_amx_bf16_kernel_is_the_tile_units_arithmetic(emulated_unit, storage, rows, cols):
+    """gemm_bf16 and pack_bf16: row blocks of 32 (two B tiles) with a tail,
+    tokens in steps of 32 (two A tiles) with one-tile and partial tails,
+    columns past and short of a 32-element K step, the rows split over
+    threads: emulate_tile_unit's bits, and within test_bf16.py's tolerance
+    of the float64 product."""
+    assert _kernels.isa() == "amx" and _kernels.kernel_variants()["gemm (bf16, opt-in)"] == "amx (emulated)"
+    r = np.random.default_rng(rows * cols + len(storage))
+    W = r.standard_normal((rows, cols)).astype(np.float32)
+    W[0, : min(cols, 40)] = 0  # an all-zero K step
+    m = Matrix(W, storage)
+    m.act_precision = "bf16"
+    for T in (1, 5, 16, 17, 32, 33, 47, 70):
+        X = (r.standard_normal((T, cols)) * r.choice([1e-3, 1.0, 50.0], size=(T, 1))).astype(np.float32)
+        want = emulate_tile_unit(m, X)
+        for threads in (1, 2, 3):
+            got = m.gemm(X, threads=threads)
+            bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+            assert not len(bad), \
+                f"T={T}, {threads} threads: {len(bad)} outputs differ, first (token, row) {bad[:4].tolist()}"
+        exact, mag = emulate(m, X)
+        assert np.all(np.abs(want - exact) <= 2e-6 * mag + 1e-30)
+
+
+def test_emulated_tdpbf16ps_rounds_as_documented(emulated_unit):
+    """The emulated instruction itself, on sums whose bits tell the orders
+    apart: FMA chains (one rounding per product), even and odd elements in
+    separate chains, denormal inputs and results as zero."""
+    def product(w, x):
+        m = Matrix(np.asarray(w, np.float32)[None, :], "fp32")
+        m.act_precision = "bf16"
+        return m.gemm(np.asarray(x, np.float32)[None, :], threads=1)[0, 0]
+
+    big = 2.0 ** 24  # its ulp is 2: adding 1 ties, to even, so 1 is lost
+    x = np.zeros(64)
+    x[0] = big
+    # the even and the odd elements go in separate chains: the two 1s (odd)
+    # meet big once, as 2; in one chain each 1 alone would be lost
+    x[[1, 3]] = 1
+    assert product(x, np.ones(64)) == np.float32(big + 2)
+    # two 1s in one chain with big are lost one by one
+    x[[1, 3]], x[[2, 4]] = 0, 1
+    assert product(x, np.ones(64)) == np.float32(big)
+    # each K step of 32 elements starts its chains from zero: two 1s in the
+    # next step reach big as one 2
+    x[[2, 4]], x[[32, 34]] = 0, 1
+    assert product(x, np.ones(64)) == np.float32(big + 2)
+    # a denormal result is flushed to zero: 2^-70 * 2^-70 = 2^-140 < 2^-126
+    assert product([2.0 ** -70], [2.0 ** -70]) == 0
+    assert product([2.0 ** -60], [2.0 ** -60]) == np.float32(2.0 ** -120)

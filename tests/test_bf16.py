@@ -2,7 +2,12 @@
 emulation of its rounding, the invariances it keeps (threads, tokens per
 call, rows' split), and dense models with bf16 prefill: close to exact,
 identical however a prompt is chunked, batched, paged, evicted or forked,
-and refused cleanly (a warning, exact prefill) where the CPU cannot run it."""
+and refused cleanly (a warning, exact prefill) where the CPU cannot run it.
+
+Where the CPU has no AMX these tests run on the emulated tile unit
+(tests/amx_emulator.py, the `amx_unit` fixture), whose TDPBF16PS follows
+the SDM's pseudo-code: there the products are also compared bit for bit
+with emulate_tile_unit."""
 import warnings
 
 import numpy as np
@@ -13,14 +18,17 @@ from cism.matrix import FLOAT_STORAGES, Matrix, bf16_available
 
 from models import small_model
 
-needs_amx = pytest.mark.skipif(not bf16_available(), reason="no AMX-BF16 on this CPU/OS")
-
-
 def bf16(a):
     """float32 -> nearest bfloat16 (ties to even), as float32."""
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
     u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
     return u.astype(np.uint32).view(np.float32)
+
+
+def flush(a):
+    """Denormal float32 values as zeros of their sign (DAZ/FTZ)."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.abs(a) < np.float32(2.0 ** -126), np.copysign(np.float32(0), a), a).astype(np.float32)
 
 
 def emulate(m, X):
@@ -38,13 +46,38 @@ def emulate(m, X):
     return Xb @ Wb.T, np.abs(Xb) @ np.abs(Wb).T
 
 
+def emulate_tile_unit(m, X):
+    """The bf16 kernel's products as the SDM's pseudo-code defines
+    TDPBF16PS, in the kernel's steps (csrc/gemm/gemm_amx.c): inputs rounded
+    as emulate() does (denormal floats converted to zero); per step of 32
+    elements two fp32 chains of fused multiply-adds from zero, the even and
+    the odd elements, then their sum, then that added to the output; every
+    step rounded to nearest even with denormals read and written as zero;
+    the int8 row scale multiplies the finished sum. float64 holds each
+    exact bf16 product and its sum with a float32 (53 >= 2 * 24 + 2 bits,
+    so rounding that to float32 is the single rounding of an FMA). The
+    oracle of the emulated unit (tests/native/amx_emulate.h), bit for bit."""
+    Wd = np.round(m.dequantize() / m.scales[:, None]) if m.storage == "int8" else m.dequantize()
+    Wb, Xb = bf16(flush(Wd)).astype(np.float64), bf16(flush(X)).astype(np.float64)
+    cols = Wb.shape[1]
+    with np.errstate(over="ignore"):
+        acc = np.zeros((len(X), len(Wb)), np.float32)
+        for k0 in range(0, cols, 32):
+            even, odd = np.zeros_like(acc), np.zeros_like(acc)
+            for k in range(k0, min(k0 + 32, cols)):
+                half = even if k % 2 == 0 else odd
+                # (the padding past cols adds exact zeros: left out)
+                half[...] = flush(Xb[:, k, None] * Wb[None, :, k] + half.astype(np.float64))
+            acc = flush(flush(acc) + flush(flush(even) + flush(odd)))
+    return acc * m.scales[None, :] if m.storage == "int8" else acc
+
+
 SHAPES = [(64, 64, 16), (70, 100, 5), (33, 1040, 47), (1, 31, 1), (200, 3072, 40), (96, 576, 70)]
 
 
-@needs_amx
 @pytest.mark.parametrize("storage", FLOAT_STORAGES)
 @pytest.mark.parametrize("rows,cols,T", SHAPES)
-def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T):
+def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T, amx_unit):
     rng = np.random.default_rng(rows * cols + T)
     W = rng.standard_normal((rows, cols)).astype(np.float32)
     X = rng.standard_normal((T, cols)).astype(np.float32)
@@ -57,6 +90,10 @@ def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T):
     # inputs rounded exactly as emulated: only the fp32 summation differs
     # (truncating instead of rounding would be ~1e-3 of the magnitudes)
     assert np.all(np.abs(Y - want) <= 2e-6 * mag + 1e-30)
+    if amx_unit == "emulated":
+        unit = emulate_tile_unit(m, X)
+        bad = np.argwhere(Y.view(np.uint32) != unit.view(np.uint32))
+        assert not len(bad), f"{len(bad)} outputs differ from the tile unit's arithmetic, first {bad[:4].tolist()}"
     if storage in ("fp32", "fp16") or (T > 1 and cols > 32):
         assert not np.array_equal(Y, exact)  # it is not the canonical path
     # each output depends on its own row and token only
@@ -71,8 +108,7 @@ def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T):
         assert np.array_equal(Y[:, 32:], sub.gemm(X, threads=2))
 
 
-@needs_amx
-def test_matrix_bf16_extremes():
+def test_matrix_bf16_extremes(amx_unit):
     """Large and tiny magnitudes stay finite and rounded; a zero input gives zeros."""
     rng = np.random.default_rng(3)
     W = (rng.standard_normal((40, 96)) * 1e18).astype(np.float32)
@@ -142,9 +178,8 @@ def test_prefill_bf16_warns_and_stays_exact_without_amx():
     assert np.array_equal(model.logits(prompt), want)
 
 
-@needs_amx
 @pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-int4"])
-def test_prefill_bf16_close_to_exact(precision):
+def test_prefill_bf16_close_to_exact(precision, amx_unit):
     exact = small_model("qwen3", precision, seed=5)
     fast = bf16_model("qwen3", precision, seed=5)
     assert fast.prefill_precision == "bf16" and fast.compile_key != exact.compile_key
@@ -160,8 +195,7 @@ def test_prefill_bf16_close_to_exact(precision):
     assert np.array_equal(fast.logits(prompt), a) and fast.compile_key == exact.compile_key
 
 
-@needs_amx
-def test_prefill_bf16_same_bits_however_the_prompt_runs():
+def test_prefill_bf16_same_bits_however_the_prompt_runs(amx_unit):
     model = bf16_model("llama", seed=7)
     one = bf16_model("llama", seed=7, threads=1)
     rng = np.random.default_rng(8)
@@ -175,8 +209,7 @@ def test_prefill_bf16_same_bits_however_the_prompt_runs():
     assert np.array_equal(model.paged_logits(prompt), last)
 
 
-@needs_amx
-def test_generation_after_bf16_prefill_agrees_across_session_kinds():
+def test_generation_after_bf16_prefill_agrees_across_session_kinds(amx_unit):
     """Batched, paged (through eviction and forks) and speculative decoding
     agree with plain sessions when both prefill in bf16: prompt tokens are
     bf16 wherever they run, generated ones canonical."""
@@ -211,10 +244,14 @@ def test_generation_after_bf16_prefill_agrees_across_session_kinds():
     assert not np.array_equal(ref.last_logits, s.last_logits)
 
 
-def test_cli_prefill_precision(data_dir, capsys):
+@pytest.mark.parametrize("unit", ["as found", "amx"])
+def test_cli_prefill_precision(data_dir, capsys, unit, request):
     """--prefill-precision: bf16 perplexity close to exact; a note, not an
-    error, where bf16 cannot run."""
+    error, where bf16 cannot run (as found on a CPU without AMX; with the
+    tile unit, real or emulated, the bf16 branch)."""
     import json
+    if unit == "amx":
+        request.getfixturevalue("amx_unit")
 
     from cism import cli
     stories = data_dir / "models" / "stories260K" / "stories260K.bin"

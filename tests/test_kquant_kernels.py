@@ -23,13 +23,13 @@ from cism import _kernels
 from cism.loaders import ggml_types
 from cism.matrix import Matrix
 
-from conftest import hypothesis_examples, runnable_isas
+from conftest import hypothesis_examples, isas_under_test
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-ISAS = runnable_isas()
+ISAS = isas_under_test()
 TYPES = {"q4_k": (Q.Q4_K, 144), "q6_k": (Q.Q6_K, 210)}
 
 # fp16 bit patterns by magnitude class; a random sign is added to each draw.

@@ -18,10 +18,10 @@ from hypothesis import given, settings, strategies as st
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import hypothesis_examples, runnable_isas
+from conftest import hypothesis_examples, isas_under_test
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
-ISAS = runnable_isas()
+ISAS = isas_under_test()
 
 # Accuracy of W @ x against float64 for Gaussian weights and activations:
 # normalised mean squared error bound per (storage, act_precision).
@@ -398,13 +398,15 @@ def test_q8_activations_follow_the_one_chain_rule(storage, isa_level):
 @pytest.mark.parametrize("isa", ["avx512vnni", "amx"])
 @pytest.mark.parametrize("storage", ["int8", "int4", "fp4"])
 @pytest.mark.parametrize("rows,cols", [(37, 1), (37, 33), (16, 64), (50, 100), (33, 1040)])
-def test_integer_tiles_for_many_tokens_match_the_reference(isa, storage, rows, cols, isa_level):
+def test_integer_tiles_for_many_tokens_match_the_reference(isa, storage, rows, cols, isa_level, request):
     """The integer x q8 gemms of 8 tokens and more (the VNNI tokens-in-lanes
     kernel, the AMX tiles): row groups of 16 with a tail past the matrix
     end, token groups of 16 in passes of 64, one to 65 blocks, any thread
-    split: the reference bits. (tests/test_amx_emulated.py runs the AMX
-    kernels on an emulated unit where there is no real one.)"""
-    if isa not in ISAS:
+    split: the reference bits. (Where there is no real tile unit the AMX
+    kernels run on the emulated one, tests/amx_emulator.py.)"""
+    if isa == "amx":
+        request.getfixturevalue("amx_unit")
+    elif isa not in ISAS:
         pytest.skip(f"{isa} does not run here")
     r = rng(rows * cols)
     W = special_matrix(rows, cols, seed=cols).astype(np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cism import _kernels
-from cism.matrix import Matrix, bf16_available
+from cism.matrix import Matrix
 
 from conftest import runnable_isas
 from models import small_model
@@ -24,10 +24,16 @@ def refused():
     _kernels._fail_scratch(0)
 
 
-@pytest.mark.parametrize("level", runnable_isas())
+# amx: on the emulated tile unit where there is no real one
+LEVELS = runnable_isas() + ([] if "amx" in runnable_isas() else ["amx"])
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("act", ["fp32", "int8"])
-def test_kernels_without_scratch_give_the_same_bits(level, storage, act, isa_level, refused):
+def test_kernels_without_scratch_give_the_same_bits(level, storage, act, isa_level, refused, request):
+    if level == "amx":
+        request.getfixturevalue("amx_unit")
     isa_level(level)
     rng = np.random.default_rng(len(storage) + 7 * len(act))
     spent = 0
@@ -53,9 +59,8 @@ def test_kernels_without_scratch_give_the_same_bits(level, storage, act, isa_lev
     assert (spent > 0) == uses, spent
 
 
-@pytest.mark.skipif(not bf16_available(), reason="needs AMX-BF16")
 @pytest.mark.parametrize("storage", STORAGES)
-def test_bf16_without_scratch_raises_memory_error(storage, refused):
+def test_bf16_without_scratch_raises_memory_error(storage, refused, amx_unit):
     rng = np.random.default_rng(5)
     m = Matrix(rng.standard_normal((40, 96)).astype(np.float32), storage)
     m.act_precision = "bf16"

@@ -10,11 +10,23 @@
  * the signed bytes A[m][4k + i] and B[k][4n + i] (k < colsb(A) / 4); it
  * requires rows(A) = rows(C), colsb(B) = colsb(C) and rows(B) = colsb(A) / 4,
  * which is checked here (a mismatch sets emu_error, which the harness
- * reports, so a wrong configuration cannot pass a test). TDPBF16PS is emulated in plain float (the hardware's
- * order is not specified): only for logic, not for bits. */
+ * reports, so a wrong configuration cannot pass a test).
+ *
+ * TDPBF16PS follows the SDM's pseudo-code step for step: per C element two
+ * fp32 partial sums, the even and the odd halves of the bf16 pairs, each a
+ * chain of FMAs (one rounding each) over k starting from zero; then their
+ * sum, then that added to C. Every step rounds to nearest even, treats
+ * denormal inputs as zero and flushes denormal results to zero (here: the
+ * correctly rounded fp32 result, zeroed when it is denormal), whatever
+ * MXCSR says. tests/test_bf16.py's emulate_tile_unit states the same
+ * arithmetic in NumPy and the emulated kernel must match it bit for bit.
+ * Whether a real unit sums in exactly this order is not documented beyond
+ * the pseudo-code (docs/EXACTNESS.md: orders tried on one did not match
+ * it), so on real AMX tests/test_bf16.py keeps its tolerance. */
 #ifndef CISM_AMX_EMULATE_H
 #define CISM_AMX_EMULATE_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -82,22 +94,30 @@ static void emu_dpbssd(int c, int a, int b) {
         }
 }
 
+/* DAZ on the way in, FTZ on the way out: a denormal counts as a zero of its sign. */
+static float emu_flush(float x) { return fpclassify(x) == FP_SUBNORMAL ? copysignf(0.0f, x) : x; }
+
 static float emu_bf16(const uint8_t *p) {
     uint32_t u = (uint32_t)(p[0] | (p[1] << 8)) << 16;
     float f;
     memcpy(&f, &u, 4);
-    return f;
+    return emu_flush(f);
 }
+
+static float emu_fma(float a, float b, float c) { return emu_flush(fmaf(a, b, emu_flush(c))); }
+static float emu_add(float a, float b) { return emu_flush(emu_flush(a) + emu_flush(b)); }
 
 static void emu_dpbf16ps(int c, int a, int b) {
     if (!emu_shapes(c, a, b)) return;
     for (int m = 0; m < emu.rows[c]; m++)
         for (int n = 0; n < emu.colsb[c] / 4; n++) {
-            float acc;
+            float even = 0.0f, odd = 0.0f, acc;
+            for (int k = 0; k < emu.colsb[a] / 4; k++) {
+                even = emu_fma(emu_bf16(emu.data[a][m] + 4 * k), emu_bf16(emu.data[b][k] + 4 * n), even);
+                odd = emu_fma(emu_bf16(emu.data[a][m] + 4 * k + 2), emu_bf16(emu.data[b][k] + 4 * n + 2), odd);
+            }
             memcpy(&acc, emu.data[c][m] + 4 * n, 4);
-            for (int k = 0; k < emu.colsb[a] / 4; k++)
-                for (int i = 0; i < 2; i++)
-                    acc += emu_bf16(emu.data[a][m] + 4 * k + 2 * i) * emu_bf16(emu.data[b][k] + 4 * n + 2 * i);
+            acc = emu_add(acc, emu_add(even, odd));
             memcpy(emu.data[c][m] + 4 * n, &acc, 4);
         }
 }
