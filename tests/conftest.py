@@ -11,8 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _find_data():
-    candidates = [os.environ.get("CISM_DATA", ""), REPO.parent / "shared" / "data",
-                  Path("/work/shared/data")]
+    candidates = [os.environ.get("CISM_DATA", ""), REPO.parent / "shared" / "data"]
     for c in candidates:
         if c and (Path(c) / "README.md").exists():
             return Path(c)
