@@ -10,15 +10,16 @@ from cism.dense import Config, Model, weight_shapes
 
 from models import dense_weights, small_config, small_model
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
 
 # ------------------------------------------------------ transformers parity ---
 
 def hf_model(kind, seed, **kw):
+    """A random transformers model of `kind` (the oracle) and its config dict;
+    skips the calling test where torch or transformers is not installed."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     common = dict(vocab_size=kw.get("vocab", 301), hidden_size=kw.get("hidden", 128),
                   intermediate_size=kw.get("inter", 200), num_hidden_layers=kw.get("layers", 2),
@@ -74,6 +75,7 @@ PARITY = [
 @pytest.mark.parametrize("kind,kw", PARITY)
 def test_parity_with_transformers(kind, kw, tmp_path):
     cfg_dict, hf = hf_model(kind, seed=len(str(kw)), **kw)
+    import torch
     if kind == "qwen2":   # random biases (transformers starts them at zero)
         with torch.no_grad():
             for name, p in hf.named_parameters():
