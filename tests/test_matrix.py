@@ -5,6 +5,7 @@ Kernel exactness policy: every SIMD variant implements the canonical
 arithmetic of csrc/kernels.h, so results are compared with the scalar
 reference BIT FOR BIT. Accuracy against float64 is a separate table below.
 """
+import gc
 import os
 import subprocess
 import sys
@@ -621,10 +622,19 @@ def test_row_and_sizes():
 
 def test_views_are_read_only_and_keep_the_matrix_alive():
     W = rng(14).standard_normal((4, 40)).astype(np.float32)
-    codes = Matrix(W, "int4").codes  # the Matrix itself is dropped here
-    assert not codes.flags.writeable
-    assert codes.shape == (4, 2, 16)
-    assert codes.sum() >= 0
+    m = Matrix(W, "int4")
+    scales = m.scales
+    codes = m.codes
+    del m
+    gc.collect()   # the views alone keep the packed buffers alive
+    assert not codes.flags.writeable and not scales.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        codes[0, 0, 0] = 1
+    # fill the heap: a view into freed memory would now read junk
+    junk = [np.full(codes.nbytes, 0xA5, np.uint8) for _ in range(64)]
+    want_codes, want_scales = np_int4(W)
+    assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
+    del junk
 
 
 # ------------------------------------------------------------- bad input ---
