@@ -8,6 +8,7 @@ import pytest
 
 from cism.dense import Config, Model, weight_shapes
 
+from memlock import check_lock_pages
 from models import dense_weights, small_config, small_model
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -482,13 +483,7 @@ def test_model_properties_and_memory_controls():
     for bad in (0, 17):
         with pytest.raises(ValueError, match="streams must be in"):
             m.scan(streams=bad)
-    locked = m.lock_pages()
-    assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
-    with pytest.raises(ValueError, match="already locked"):
-        m.lock_pages()
-    m.unlock_pages()
-    with pytest.raises(ValueError, match="not locked"):
-        m.unlock_pages()
+    check_lock_pages(m)
 
 
 # ------------------------------------------------------- fp16 KV caches ---

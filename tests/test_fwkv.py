@@ -16,6 +16,7 @@ from cism.fwkv import Config, Model, weight_shapes
 from tests.reference import fwkv as ref
 
 from conftest import runnable_isas
+from memlock import check_lock_pages
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 MATRICES = ("proj_k.weight", "proj_v.weight", "proj_r.weight", "proj_out.weight",
@@ -539,11 +540,5 @@ def test_model_properties_and_memory_controls():
     assert m.compile_key != key and m.act_precision == "fp32"
     assert m.compile_canonical == "fwkv|48|20|2|2|97|512|" + float(np.float32(0.1)).hex() + "|1"
     assert m.scan() == m.touch() > 0
-    locked = m.lock_pages()
-    assert 0 <= locked <= m.weight_bytes and m.pages_locked
-    with pytest.raises(ValueError, match="already locked"):
-        m.lock_pages()
-    m.unlock_pages()
-    with pytest.raises(ValueError, match="not locked"):
-        m.unlock_pages()
+    check_lock_pages(m)
     assert "fwkv" in repr(m)

@@ -13,6 +13,7 @@ import cism.dense
 from cism.surjo import Config, Model, weight_shapes
 
 from conftest import runnable_isas
+from memlock import check_lock_pages
 from reference import surjo as ref
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -605,13 +606,7 @@ def test_model_properties_and_memory_controls():
     assert m.compile_key != key and m.act_precision == "fp32"
     assert m.compile_canonical.startswith("surjo|48|80|4|2|16|101|512|1|2|2|1|2|4|12|10|4|True|False|")
     assert m.scan() == m.touch() > 0
-    locked = m.lock_pages()
-    assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
-    with pytest.raises(ValueError, match="already locked"):
-        m.lock_pages()
-    m.unlock_pages()
-    with pytest.raises(ValueError, match="not locked"):
-        m.unlock_pages()
+    check_lock_pages(m)
     assert "surjo" in repr(m)
 
 
