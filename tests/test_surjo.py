@@ -70,6 +70,19 @@ def rel_err(got, want):
     return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
 
 
+def log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl_and_top1(want, got):
+    """Per-position KL(want || got) of the next-token distributions, and the
+    fraction of positions whose argmax agrees."""
+    a, b = log_softmax(want), log_softmax(got)
+    return (np.exp(a) * (a - b)).sum(-1), float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
 # ------------------------------------------------------ reference parity ---
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -107,14 +120,25 @@ def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
     # each precision equals the reference run on its dequantized matrices. int8
     # activations add their own rounding (1-2% after one token), which random
     # weights amplify: the XSA projection subtracts nearly equal vectors, and
-    # the recurrences carry the error along (up to ~20% by the 6th token here)
+    # the recurrences carry the error along (up to ~20% of the logits by the
+    # 6th token here). So they are judged, like the dense precisions in
+    # test_checkpoints.py, by the next-token distributions against fp32
+    # activations: measured KL mean/max and top-1 over these 30 positions
+    # int8 3.5e-3/3.9e-2/83%, hybrid-int4 1.8e-3/8.8e-3/93%, hybrid-fp4
+    # 1.6e-3/4.4e-3/83% (random weights: flat distributions, max p ~0.08, so
+    # near-ties flip the argmax). Unrelated logits give KL ~1.
     for precision in ("fp16", "int8", "hybrid-int4", "hybrid-fp4"):
         m = Model(config, w, precision, threads=1)
         deq = {n: m.matrix(n).dequantize() if v.ndim == 2 else v for n, v in w.items()}
         got = m.logits_all(tokens)
         assert rel_err(got, ref.logits(ref_config(config), deq, tokens)) < 1e-4, precision
         m.set_act_precision("int8")
-        assert rel_err(m.logits_all(tokens), got) < 0.35, precision
+        if precision == "fp16":   # q8 activations meet only int8, int4 and fp4 weights
+            assert np.array_equal(m.logits_all(tokens), got)
+            continue
+        kl, top1 = kl_and_top1(got, m.logits_all(tokens))
+        # (above 0: the int8 activations are really in use)
+        assert 0 < kl.mean() < 0.01 and kl.max() < 0.1 and top1 >= 0.7, (precision, kl.mean(), kl.max(), top1)
 
 
 # ------------------------------------------------------------- invariances ---
