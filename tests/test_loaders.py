@@ -932,14 +932,25 @@ def _file(root, name, data):
 
 
 CORPUS = list(_corpus())
+MESSAGES = M.expected_messages()
 
 
 def test_corpus_is_large():
     assert len(CORPUS) > 600
 
 
-@pytest.mark.parametrize("build", [b for _, b in CORPUS], ids=[n for n, _ in CORPUS])
-def test_malformed_checkpoint_is_rejected(tmp_path, build):
+def test_every_case_has_its_message():
+    assert set(MESSAGES) == {name for name, _ in CORPUS}
+
+    def cases(prefix):
+        return {name[len(prefix):] for name in MESSAGES if name.startswith(prefix)}
+    # and no table entry outlives its case
+    assert set(M.GGUF_MESSAGES) <= cases("gguf:") and set(M.LLAMA2C_MESSAGES) <= cases("llama2c:")
+    assert set(M.HF_DIR_MESSAGES) <= cases("hf:") and set(M.SAFETENSORS_MESSAGES) <= cases("hf:safetensors-")
+
+
+@pytest.mark.parametrize("name,build", CORPUS, ids=[n for n, _ in CORPUS])
+def test_malformed_checkpoint_is_rejected(tmp_path, name, build):
     path = build(str(tmp_path))
     size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(tmp_path) for f in fs
                if os.path.isfile(os.path.join(dp, f)))
@@ -950,7 +961,11 @@ def test_malformed_checkpoint_is_rejected(tmp_path, build):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert str(info.value).startswith(str(path)), str(info.value)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    shown = message.replace(str(path), "<P>").replace(str(tmp_path), "<R>")
+    for fragment in MESSAGES[name]:
+        assert fragment in shown, (fragment, shown)
     # Nothing sized from a lying header: at most a few MB beyond what the files hold.
     assert peak < 4 * 1024 * 1024 + 16 * size, peak
     # read_config looks at headers only, so it may accept what loading refuses,
