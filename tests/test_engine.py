@@ -480,7 +480,7 @@ def test_out_of_memory_in_a_step_preempts_and_loses_nothing():
         eng._core._inject_forward_result("nomem")
         eng.step()     # one decode token
         assert lone.finish_reason == "error" and isinstance(lone.error, MemoryError)
-        with pytest.raises(MemoryError):
+        with pytest.raises(MemoryError, match="out of memory in the engine's forward"):
             lone.result()
         after = eng.submit([3, 4, 5], 4)
         run(eng)
@@ -514,7 +514,7 @@ def test_shutdown_drains_or_cancels():
     reqs = [eng.submit([1, 2, 3, i], 30, seed=i, temperature=0.9) for i in range(4)]
     assert eng.shutdown(drain=True, timeout=60)
     assert all(r.finish_reason == "length" for r in reqs)
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineClosed, match="the engine has been shut down"):
         eng.submit([1], 1)
     eng = Engine(m, kv_blocks=16, start=False)
     reqs = [eng.submit([1, 2, 3, i], 30) for i in range(4)]

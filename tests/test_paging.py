@@ -21,6 +21,15 @@ PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
 # ------------------------------------------------------ the pool, modelled ---
 
+# What the pool raises for each failure the model predicts.
+FAILURES = {
+    "dup": (ValueError, r"BlockPool duplicate allocate for req_id=\d+"),
+    "unknown": (ValueError, r"BlockPool unknown (src )?req_id=\d+ in (ensure|fork|copy_on_write)\(\)"),
+    "beyond": (ValueError, r"BlockPool (fork prefix beyond src|copy_on_write position beyond) allocation"),
+    "oom": (OutOfBlocks, r"BlockPool out of memory"),
+}
+
+
 class PoolModel:
     """The pool's documented semantics in plain Python."""
 
@@ -122,11 +131,12 @@ class PoolMachine(RuleBasedStateMachine):
     def snapshot(self):
         return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
 
-    def same_or_unchanged(self, outcome, call, exc):
+    def same_or_unchanged(self, outcome, call):
         before = self.snapshot()
         k_before = self.pool.k_pages.copy()
-        if outcome in ("dup", "unknown", "beyond", "oom"):
-            with pytest.raises(exc):
+        if outcome in FAILURES:
+            exc, message = FAILURES[outcome]
+            with pytest.raises(exc, match=message):
                 call()
             assert self.snapshot() == before  # failed operations change nothing
             assert np.array_equal(self.pool.k_pages, k_before)
@@ -145,7 +155,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         if out == "oom":
             self.model.table.pop(r, None)
-        self.same_or_unchanged(out, lambda: self.pool.allocate(r, n), OutOfBlocks)
+        self.same_or_unchanged(out, lambda: self.pool.allocate(r, n))
         if out is None:
             # write recognisable data into the new blocks
             for i, b in enumerate(self.pool.get_blocks(r)):
@@ -155,10 +165,9 @@ class PoolMachine(RuleBasedStateMachine):
     def ensure(self, r, n):
         before = list(self.model.table.get(r, []))
         out = self.model.ensure(r, n)
-        exc = ValueError if out == "unknown" else OutOfBlocks
         if out == "oom":
             self.model.table[r] = before
-        self.same_or_unchanged(out, lambda: self.pool.ensure(r, n), exc)
+        self.same_or_unchanged(out, lambda: self.pool.ensure(r, n))
 
     @rule(r=reqs)
     def free(self, r):
@@ -176,8 +185,7 @@ class PoolMachine(RuleBasedStateMachine):
         src_data = self.pool.k_pages.copy()
         out = self.model.fork(d, s, n)
         if isinstance(out, str):
-            exc = OutOfBlocks if out == "oom" else ValueError
-            self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n), exc)
+            self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n))
             return
         got = self.pool.fork(d, s, n)
         assert got == self.model.table[d]
@@ -192,9 +200,8 @@ class PoolMachine(RuleBasedStateMachine):
     def copy_on_write(self, r, pos):
         data = self.pool.k_pages.copy()
         out = self.model.cow(r, pos)
-        exc = OutOfBlocks if out == "oom" else ValueError
         if isinstance(out, str):
-            self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), exc)
+            self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos))
             return
         self.pool.copy_on_write(r, pos)
         assert np.array_equal(self.pool.k_pages[[b for b in range(6) if b not in (out or (None, None))[1:]]],
@@ -443,7 +450,7 @@ def test_many_sessions_in_a_tiny_pool(blocks):
         assert s.finish_reason == "length"
     assert sum(s.recomputes for s in sessions) > 0
     big = model.create_paged_session([1], 16 * blocks + 1)
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(OutOfBlocks, match="BlockPool out of memory"):
         big.next_tokens(16 * blocks + 1)
     assert big.finish_reason == "cancelled"
 

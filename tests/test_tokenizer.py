@@ -449,9 +449,9 @@ def test_decode_rejects_bad_ids(any_tok):
     for bad in (-1, any_tok.vocab_size, 10**9):
         with pytest.raises(ValueError, match="out of range"):
             any_tok.decode([1, bad])
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=rf"token id {bad} is out of range \[0, {any_tok.vocab_size}\)"):
             any_tok.stream_decoder().push(bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="token ids must be integers, got float"):
         any_tok.decode([1.5])
 
 
@@ -818,12 +818,11 @@ def test_template_errors(gpt2_files_py, tmp_path):
 # ---------------------------------------------------------------------------
 # malformed files: ValueError naming the file
 # ---------------------------------------------------------------------------
-def _raises_naming(path, fn, match=None):
+def _raises_naming(path, fn, match):
     with pytest.raises(ValueError) as info:
         fn()
     assert str(path) in str(info.value), info.value
-    if match:
-        assert re.search(match, str(info.value)), info.value
+    assert re.search(match, str(info.value)), info.value
     return info.value
 
 
