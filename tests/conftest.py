@@ -57,6 +57,12 @@ def smollm2_gguf():
     return p
 
 
+def hypothesis_or_skip():
+    """hypothesis, for the property test that calls this: where it is not
+    installed only that test skips, and the file's other tests still run."""
+    return pytest.importorskip("hypothesis")
+
+
 def runnable_isas():
     from cism import _kernels
     return list(_kernels.available_isas())

@@ -14,12 +14,11 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import runnable_isas
+from conftest import hypothesis_or_skip, runnable_isas
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 ISAS = runnable_isas()
@@ -167,12 +166,21 @@ def test_int8_rounds_every_half_away_from_zero():
     assert m.codes[0, 0] == -127 and m.codes[0, 1] == -126 and m.codes[0, 253] == 127
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
-       st.integers(0, 3))
-def test_int8_packing_matches_the_rule_for_any_floats(values, rows):
+def test_int8_packing_matches_the_rule_for_any_floats():
     """Subnormal, huge and mixed magnitudes: codes and scales equal the
     numpy statement of the rule."""
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=200, deadline=None)
+    @h.given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
+             st.integers(0, 3))
+    def check(values, rows):
+        _int8_packing_matches_the_rule_for_any_floats(values, rows)
+    check()
+
+
+def _int8_packing_matches_the_rule_for_any_floats(values, rows):
     W = np.array([values] * (rows + 1), np.float32)
     W[1:] *= np.float32(-0.75)
     q, s = np_int8(W)
@@ -232,11 +240,20 @@ def test_every_isa_matches_reference_bitwise(storage, isa_level):
                 assert same_bits(got[act], want[act]), (isa, storage, act, rows, cols, T)
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
-       storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1),
-       wscale=st.sampled_from([1.0, 1e-30, 1e20]), xscale=st.sampled_from([1.0, 1e-20, 1e-36]))
-def test_isa_equality_property(rows, cols, T, storage, seed, wscale, xscale):
+def test_isa_equality_property():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=60, deadline=None)
+    @h.given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
+             storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1),
+             wscale=st.sampled_from([1.0, 1e-30, 1e20]), xscale=st.sampled_from([1.0, 1e-20, 1e-36]))
+    def check(rows, cols, T, storage, seed, wscale, xscale):
+        _isa_equality_property(rows, cols, T, storage, seed, wscale, xscale)
+    check()
+
+
+def _isa_equality_property(rows, cols, T, storage, seed, wscale, xscale):
     r = np.random.default_rng(seed)
     W = (r.standard_normal((rows, cols)) * wscale).astype(np.float32)
     X = (r.standard_normal((T, cols)) * xscale).astype(np.float32)
