@@ -8,12 +8,11 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cism import OutOfBlocks
 from cism.paging import BlockPool
 
+from conftest import hypothesis_or_skip
 from models import small_model
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -121,137 +120,147 @@ class PoolModel:
         return victim
 
 
-class PoolMachine(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.pool = BlockPool(6, 2, 3)
-        self.model = PoolModel(6)
-        self.next_id = 0
+def pool_machine():
+    """The state machine class, built by its test so that only that test needs hypothesis."""
+    st = hypothesis_or_skip().strategies
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-    def snapshot(self):
-        return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
+    class PoolMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.pool = BlockPool(6, 2, 3)
+            self.model = PoolModel(6)
+            self.next_id = 0
 
-    def same_or_unchanged(self, outcome, call):
-        before = self.snapshot()
-        k_before = self.pool.k_pages.copy()
-        if outcome in FAILURES:
-            exc, message = FAILURES[outcome]
-            with pytest.raises(exc, match=message):
-                call()
-            assert self.snapshot() == before  # failed operations change nothing
-            assert np.array_equal(self.pool.k_pages, k_before)
-            return False
-        call()
-        return True
+        def snapshot(self):
+            return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
 
-    reqs = st.integers(0, 7)
+        def same_or_unchanged(self, outcome, call):
+            before = self.snapshot()
+            k_before = self.pool.k_pages.copy()
+            if outcome in FAILURES:
+                exc, message = FAILURES[outcome]
+                with pytest.raises(exc, match=message):
+                    call()
+                assert self.snapshot() == before  # failed operations change nothing
+                assert np.array_equal(self.pool.k_pages, k_before)
+                return False
+            call()
+            return True
 
-    @rule(r=reqs, n=st.integers(0, 40))
-    def allocate(self, r, n):
-        out = self.model.allocate(r, n) if r not in self.model.table else "dup"
-        if out == "dup":
-            with pytest.raises(ValueError, match="duplicate"):
-                self.pool.allocate(r, n)
-            return
-        if out == "oom":
-            self.model.table.pop(r, None)
-        self.same_or_unchanged(out, lambda: self.pool.allocate(r, n))
-        if out is None:
-            # write recognisable data into the new blocks
-            for i, b in enumerate(self.pool.get_blocks(r)):
-                self.pool.k_pages[b] = r * 100 + i
+        reqs = st.integers(0, 7)
 
-    @rule(r=reqs, n=st.integers(0, 60))
-    def ensure(self, r, n):
-        before = list(self.model.table.get(r, []))
-        out = self.model.ensure(r, n)
-        if out == "oom":
-            self.model.table[r] = before
-        self.same_or_unchanged(out, lambda: self.pool.ensure(r, n))
+        @rule(r=reqs, n=st.integers(0, 40))
+        def allocate(self, r, n):
+            out = self.model.allocate(r, n) if r not in self.model.table else "dup"
+            if out == "dup":
+                with pytest.raises(ValueError, match="duplicate"):
+                    self.pool.allocate(r, n)
+                return
+            if out == "oom":
+                self.model.table.pop(r, None)
+            self.same_or_unchanged(out, lambda: self.pool.allocate(r, n))
+            if out is None:
+                # write recognisable data into the new blocks
+                for i, b in enumerate(self.pool.get_blocks(r)):
+                    self.pool.k_pages[b] = r * 100 + i
 
-    @rule(r=reqs)
-    def free(self, r):
-        if r not in self.model.table:
-            with pytest.raises(ValueError, match="double-free"):
-                self.pool.free(r)
-            return
-        self.model.release(r)
-        self.pool.free(r)
+        @rule(r=reqs, n=st.integers(0, 60))
+        def ensure(self, r, n):
+            before = list(self.model.table.get(r, []))
+            out = self.model.ensure(r, n)
+            if out == "oom":
+                self.model.table[r] = before
+            self.same_or_unchanged(out, lambda: self.pool.ensure(r, n))
 
-    @rule(d=reqs, s=reqs, n=st.integers(0, 48))
-    def fork(self, d, s, n):
-        src_blocks = list(self.model.table.get(s, []))
-        free_before = list(self.model.free)
-        src_data = self.pool.k_pages.copy()
-        out = self.model.fork(d, s, n)
-        if isinstance(out, str):
-            self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n))
-            return
-        got = self.pool.fork(d, s, n)
-        assert got == self.model.table[d]
-        full = n // 16
-        assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
-        if out is not None:  # the partial tail was copied into a private block
-            src_b, dst_b, tail = out
-            assert np.array_equal(self.pool.k_pages[dst_b, :, :tail], src_data[src_b, :, :tail])
-        assert free_before[: len(self.model.free)] == self.model.free
+        @rule(r=reqs)
+        def free(self, r):
+            if r not in self.model.table:
+                with pytest.raises(ValueError, match="double-free"):
+                    self.pool.free(r)
+                return
+            self.model.release(r)
+            self.pool.free(r)
 
-    @rule(r=reqs, pos=st.integers(0, 70))
-    def copy_on_write(self, r, pos):
-        data = self.pool.k_pages.copy()
-        out = self.model.cow(r, pos)
-        if isinstance(out, str):
-            self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos))
-            return
-        self.pool.copy_on_write(r, pos)
-        assert np.array_equal(self.pool.k_pages[[b for b in range(6) if b not in (out or (None, None))[1:]]],
-                              data[[b for b in range(6) if b not in (out or (None, None))[1:]]])
-        if out:
-            old, new = out
-            assert np.array_equal(self.pool.k_pages[new], data[old])  # full copy
-            assert np.array_equal(self.pool.k_pages[old], data[old])  # the shared block is untouched
+        @rule(d=reqs, s=reqs, n=st.integers(0, 48))
+        def fork(self, d, s, n):
+            src_blocks = list(self.model.table.get(s, []))
+            free_before = list(self.model.free)
+            src_data = self.pool.k_pages.copy()
+            out = self.model.fork(d, s, n)
+            if isinstance(out, str):
+                self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n))
+                return
+            got = self.pool.fork(d, s, n)
+            assert got == self.model.table[d]
+            full = n // 16
+            assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
+            if out is not None:  # the partial tail was copied into a private block
+                src_b, dst_b, tail = out
+                assert np.array_equal(self.pool.k_pages[dst_b, :, :tail], src_data[src_b, :, :tail])
+            assert free_before[: len(self.model.free)] == self.model.free
 
-    @rule(r=reqs)
-    def evict(self, r):
-        assert self.pool.evict_one(r) == self.model.evict(r)
+        @rule(r=reqs, pos=st.integers(0, 70))
+        def copy_on_write(self, r, pos):
+            data = self.pool.k_pages.copy()
+            out = self.model.cow(r, pos)
+            if isinstance(out, str):
+                self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos))
+                return
+            self.pool.copy_on_write(r, pos)
+            assert np.array_equal(self.pool.k_pages[[b for b in range(6) if b not in (out or (None, None))[1:]]],
+                                  data[[b for b in range(6) if b not in (out or (None, None))[1:]]])
+            if out:
+                old, new = out
+                assert np.array_equal(self.pool.k_pages[new], data[old])  # full copy
+                assert np.array_equal(self.pool.k_pages[old], data[old])  # the shared block is untouched
 
-    @precondition(lambda self: self.model.table)
-    @rule(data=st.data(), p=st.integers(-3, 3))
-    def set_priority(self, data, p):
-        r = data.draw(st.sampled_from(sorted(self.model.table)))
-        self.model.prio[r] = p
-        self.pool.set_priority(r, p)
-        assert self.pool.priority(r) == p
+        @rule(r=reqs)
+        def evict(self, r):
+            assert self.pool.evict_one(r) == self.model.evict(r)
 
-    @rule(extra=st.integers(0, 3))
-    def grow(self, extra):
-        if self.model.n + extra > 14:
-            return
-        self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
-        self.model.ref += [0] * extra
-        self.model.n += extra
-        self.pool.grow(extra)
+        @precondition(lambda self: self.model.table)
+        @rule(data=st.data(), p=st.integers(-3, 3))
+        def set_priority(self, data, p):
+            r = data.draw(st.sampled_from(sorted(self.model.table)))
+            self.model.prio[r] = p
+            self.pool.set_priority(r, p)
+            assert self.pool.priority(r) == p
 
-    @invariant()
-    def matches_model(self):
-        m, p = self.model, self.pool
-        assert p.free_stack == m.free
-        assert p.table == m.table
-        assert len(set(p.free_stack)) == len(p.free_stack)  # no duplicates
-        holders = [0] * p.num_blocks
-        for blocks in p.table.values():
-            for b in blocks:
-                holders[b] += 1
-        for b in range(p.num_blocks):
-            assert p.refcount(b) == holders[b] == m.ref[b]
-            assert (holders[b] == 0) == (b in p.free_stack)  # free or referenced, never both
-        assert p.used() == sum(len(b) for b in m.table.values())
-        assert p.phys_used() == p.num_blocks - p.free_count() == sum(h > 0 for h in holders)
-        assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+        @rule(extra=st.integers(0, 3))
+        def grow(self, extra):
+            if self.model.n + extra > 14:
+                return
+            self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
+            self.model.ref += [0] * extra
+            self.model.n += extra
+            self.pool.grow(extra)
+
+        @invariant()
+        def matches_model(self):
+            m, p = self.model, self.pool
+            assert p.free_stack == m.free
+            assert p.table == m.table
+            assert len(set(p.free_stack)) == len(p.free_stack)  # no duplicates
+            holders = [0] * p.num_blocks
+            for blocks in p.table.values():
+                for b in blocks:
+                    holders[b] += 1
+            for b in range(p.num_blocks):
+                assert p.refcount(b) == holders[b] == m.ref[b]
+                assert (holders[b] == 0) == (b in p.free_stack)  # free or referenced, never both
+            assert p.used() == sum(len(b) for b in m.table.values())
+            assert p.phys_used() == p.num_blocks - p.free_count() == sum(h > 0 for h in holders)
+            assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+
+    return PoolMachine
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+def test_pool_machine():
+    machine = pool_machine()
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=40, deadline=None))
 
 
 def test_pool_basics_and_errors():
