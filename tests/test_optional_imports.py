@@ -1,8 +1,8 @@
-"""A minimal install (cism with numpy and safetensors: no text extras, no torch)
-still collects the suite: each optional package is asked for by the tests that
-need it, so only those skip. Checked by collecting in a subprocess where the
-optional packages are shadowed by modules whose import fails as a missing
-package's does."""
+"""A minimal install (cism with numpy and safetensors, and pytest: no text
+extras, no torch, no hypothesis) still collects the suite: each optional
+package is asked for by the tests that need it, so only those skip. Checked by
+collecting in a subprocess where the optional packages are shadowed by modules
+whose import fails as a missing package's does."""
 import os
 import subprocess
 import sys
@@ -12,11 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The text extras, gguf-py and the transformers oracles; hypothesis is blocked
-# only where the tests below say so.
-OPTIONAL = ("gguf", "torch", "transformers", "regex", "tokenizers", "jinja2")
+# The text extras, gguf-py, the transformers oracles and hypothesis (a package:
+# its pytest plugin is switched off as if it were not installed).
+OPTIONAL = ("gguf", "torch", "transformers", "regex", "tokenizers", "jinja2", "hypothesis/__init__")
 
-# Tests that need none of them, one per file whose imports this guards.
+# Tests that need none of them, from the files whose imports this guards.
 NUMPY_ONLY = [
     "tests/test_loaders.py::test_malformed_checkpoint_is_rejected[gguf:bad-magic]",
     "tests/test_loaders.py::test_malformed_checkpoint_is_rejected[hf:safetensors-overlap]",
@@ -24,6 +24,13 @@ NUMPY_ONLY = [
     "tests/test_dense.py::test_config_validation_messages",
     "tests/test_tokenizer.py::test_missing_files",
     "tests/test_lazy.py::test_pack_rows_refuses_what_does_not_fit",
+    "tests/test_matrix.py::test_row_and_sizes",
+    "tests/test_sampling.py::test_greedy_and_degenerate_settings",
+    "tests/test_paging.py::test_pool_basics_and_errors",
+    "tests/test_engine.py::test_the_pool_counts_against_the_kv_budget",
+    # property tests are collected too, and skip when run
+    "tests/test_paging.py::test_pool_machine",
+    "tests/test_engine.py::test_engine_machine[dense]",
 ]
 
 
@@ -50,18 +57,10 @@ def count(ids, prefix):
 
 @pytest.mark.slow
 def test_the_suite_collects_without_the_optional_packages(tmp_path):
-    code, ids, out = collect(tmp_path, OPTIONAL, ["tests"])
+    code, ids, out = collect(tmp_path, OPTIONAL, ["tests"], plugins=["-p", "no:hypothesispytest"])
     assert code == 0 and "ERROR" not in out, out[-3000:]
     assert set(NUMPY_ONLY) <= ids, set(NUMPY_ONLY) - ids
     # the whole malformed corpus, and the dense tests but the transformers parity
     assert count(ids, "tests/test_loaders.py::test_malformed_checkpoint_is_rejected[") > 600
     assert count(ids, "tests/test_dense.py::") > 40
 
-
-@pytest.mark.slow
-def test_these_files_collect_without_hypothesis_too(tmp_path):
-    files = sorted({i.split("::")[0] for i in NUMPY_ONLY})
-    code, ids, out = collect(tmp_path, [*OPTIONAL, "hypothesis/__init__"], files,
-                             plugins=["-p", "no:hypothesispytest"])
-    assert code == 0 and "ERROR" not in out, out[-3000:]
-    assert set(NUMPY_ONLY) <= ids, set(NUMPY_ONLY) - ids
