@@ -715,15 +715,15 @@ LLAMA2C_MESSAGES = {
     "v1-short-header": "108 bytes is too short for the 256-byte version 1 header",
     "v1-bad-flag": "shared-classifier flag is 5, expected 0 or 1",
 }
-for _field, _values in [("dim", [0, -8, 1 << 20]), ("hidden_dim", [0, -1, 1 << 30]),
-                        ("n_layers", [0, -2, 100000]), ("n_heads", [0, -2, 1 << 20]),
-                        ("n_kv_heads", [0, -1]), ("vocab_size", [0, -(1 << 31), 1 << 30]),
-                        ("seq_len", [0, -6, 1 << 30])]:
-    for _v in _values:
-        # a negative vocab_size only marks an untied classifier: its size is the magnitude
-        _shown = abs(_v) if _field == "vocab_size" else _v
-        LLAMA2C_MESSAGES[f"{_field}={_v}"] = (f"not a llama2.c checkpoint: header {_field} = {_shown} "
-                                             f"is outside [1, {_LLAMA2C_RANGES[_field]}]")
+LLAMA2C_MESSAGES.update({
+    # a negative vocab_size only marks an untied classifier: its size is the magnitude
+    f"{field}={v}": (f"not a llama2.c checkpoint: header {field} = {abs(v) if field == 'vocab_size' else v} "
+                     f"is outside [1, {_LLAMA2C_RANGES[field]}]")
+    for field, values in [("dim", [0, -8, 1 << 20]), ("hidden_dim", [0, -1, 1 << 30]),
+                          ("n_layers", [0, -2, 100000]), ("n_heads", [0, -2, 1 << 20]),
+                          ("n_kv_heads", [0, -1]), ("vocab_size", [0, -(1 << 31), 1 << 30]),
+                          ("seq_len", [0, -6, 1 << 30])]
+    for v in values})
 
 SAFETENSORS_MESSAGES = {   # after "<P>/model.safetensors: "
     "length-huge": "header length 4611686018427387904 exceeds the 104857600-byte limit",
