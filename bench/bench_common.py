@@ -28,8 +28,7 @@ def default_model():
 
 def shared_data():
     here = os.path.dirname(os.path.abspath(__file__))
-    for c in (os.environ.get("CISM_DATA", ""), os.path.join(here, "..", "..", "shared", "data"),
-              "/work/shared/data"):
+    for c in (os.environ.get("CISM_DATA", ""), os.path.join(here, "..", "..", "shared", "data")):
         if c and os.path.exists(os.path.join(c, "README.md")):
             return c
     return None
@@ -39,7 +38,7 @@ def llamacpp_tool(name):
     """A llama.cpp tool (llama-quantize, llama-perplexity, ...) as a command
     list and the environment to run it in, or None. Looked for in
     $LLAMA_CPP_BIN, then ~/.cache/llamacpp/build/bin (where
-    /work/shared/NOTES.md's build puts it), then PATH; its own directory
+    ../shared/NOTES.md's build puts it), then PATH; its own directory
     goes first on LD_LIBRARY_PATH (the build's shared libraries live there)."""
     import shutil
     dirs = [os.environ.get("LLAMA_CPP_BIN", ""),

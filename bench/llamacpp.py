@@ -8,7 +8,7 @@ measures, with runs alternating between the engines:
 
 - llama.cpp: its own llama-bench (tg: decode tok/s from an empty context;
   pp: a 512-token prompt) when found (bench_common.llamacpp_tool: built from
-  the llama-cpp-python sdist as /work/shared/NOTES.md says), else
+  the llama-cpp-python sdist as ../shared/NOTES.md says), else
   llama-cpp-python (one token per eval after a 16-token prompt; one eval of
   the prompt),
 - cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
@@ -123,7 +123,7 @@ def write_kquant(f32_path, dst, preset, threads):
     from bench_common import llamacpp_tool
     tool = llamacpp_tool("llama-quantize")
     if tool is None:
-        sys.exit("llama-quantize not found (set LLAMA_CPP_BIN; see /work/shared/NOTES.md)")
+        sys.exit("llama-quantize not found (set LLAMA_CPP_BIN; see ../shared/NOTES.md)")
     cmd, env = tool
     proc = subprocess.run(cmd + [f32_path, dst, preset, str(threads)], env=env, capture_output=True, text=True)
     if proc.returncode:

@@ -31,7 +31,7 @@ auto and the lower precisions where they differ). Reported per run:
                          [--cache ~/.cache/cism-bench-load] [--json]
 
 llama.cpp's tools: $LLAMA_CPP_BIN, ~/.cache/llamacpp/build/bin or PATH
-(bench_common.llamacpp_tool; /work/shared/NOTES.md says how to build them).
+(bench_common.llamacpp_tool; ../shared/NOTES.md says how to build them).
 """
 import argparse
 import json
@@ -217,7 +217,7 @@ def main(argv=None):
         sys.exit(f"{TIME} not found (apt-get install time)")
     for tool in ("llama-bench", "llama-quantize"):
         if llamacpp_tool(tool) is None:
-            sys.exit(f"{tool} not found (set LLAMA_CPP_BIN; see /work/shared/NOTES.md)")
+            sys.exit(f"{tool} not found (set LLAMA_CPP_BIN; see ../shared/NOTES.md)")
     rows = []
     for name in args.sets:
         for qtype, path in make_files(name, args.cache, args.threads).items():

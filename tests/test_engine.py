@@ -12,13 +12,12 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cism
 from cism.engine import Engine, EngineClosed, QueueFull
 from cism.sampling import logprobs as ref_logprobs
 
+from conftest import hypothesis_or_skip
 from models import small_model
 import test_fwkv
 import test_surjo
@@ -185,101 +184,100 @@ def test_thread_count_changes_no_bit(threads):
 
 # ------------------------------------------------ the state machine (hypothesis) ---
 
-class EngineMachine(RuleBasedStateMachine):
-    """Random arrivals, cancellations, priorities and steps on tiny pools;
-    the pool's references checked after every step; every request checked
-    against a solo session at the end."""
-    family = "dense"
+def engine_machine(kind):
+    """The state machine class for one family, built by its test so that only
+    that test needs hypothesis."""
+    st = hypothesis_or_skip().strategies
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-    def __init__(self):
-        super().__init__()
-        self.engine = None
-        self.reqs = []
+    class EngineMachine(RuleBasedStateMachine):
+        """Random arrivals, cancellations, priorities and steps on tiny pools;
+        the pool's references checked after every step; every request checked
+        against a solo session at the end."""
+        family = kind
 
-    @initialize(kv_blocks=st.integers(5, 20), max_seqs=st.integers(1, 5), budget=st.integers(1, 40),
-                caching=st.booleans(), seed=st.integers(0, 2**16))
-    def start(self, kv_blocks, max_seqs, budget, caching, seed):
-        self.model = model_of(self.family)
-        self.vocab = self.model.config.vocab
-        self.kv_blocks = kv_blocks
-        rng = random.Random(seed)
-        self.prefixes = [[rng.randrange(self.vocab) for _ in range(n)] for n in (0, 16, 23, 40)]
-        pattern = [rng.randrange(self.vocab) for _ in range(5)]
-        self.prefixes.append(pattern * 8)   # repeats: prompt lookup finds drafts
-        self.engine = Engine(self.model, kv_blocks=kv_blocks, max_seqs=max_seqs, max_step_tokens=budget,
-                             prefix_caching=caching, aging_steps=3, start=False)
+        def __init__(self):
+            super().__init__()
+            self.engine = None
+            self.reqs = []
 
-    @rule(prefix=st.integers(0, 4), tail=st.lists(st.integers(0, 40), min_size=0, max_size=30),
-          max_new=st.integers(1, 24), mode=st.sampled_from(["greedy", "sample", "spec"]),
-          priority=st.integers(-2, 2), seed=st.integers(0, 2**64 - 1), lp=st.booleans())
-    def submit(self, prefix, tail, max_new, mode, priority, seed, lp):
-        prompt = self.prefixes[prefix][:40] + [t % self.vocab for t in tail]
-        if not prompt:
-            prompt = [1]
-        room = self.kv_blocks * 16
-        if len(prompt) + max_new > room:
-            prompt = prompt[:max(1, room - max_new)]
-            max_new = min(max_new, room - len(prompt))
-        kw = dict(priority=priority, seed=seed, logprobs=lp, top_logprobs=2 if lp else 0)
-        if mode == "sample":
-            kw.update(temperature=0.9, top_k=20)
-        elif mode == "spec":
-            kw.update(spec_k=4)
-        self.reqs.append(self.engine.submit(prompt, max_new, **kw))
+        @initialize(kv_blocks=st.integers(5, 20), max_seqs=st.integers(1, 5), budget=st.integers(1, 40),
+                    caching=st.booleans(), seed=st.integers(0, 2**16))
+        def start(self, kv_blocks, max_seqs, budget, caching, seed):
+            self.model = model_of(self.family)
+            self.vocab = self.model.config.vocab
+            self.kv_blocks = kv_blocks
+            rng = random.Random(seed)
+            self.prefixes = [[rng.randrange(self.vocab) for _ in range(n)] for n in (0, 16, 23, 40)]
+            pattern = [rng.randrange(self.vocab) for _ in range(5)]
+            self.prefixes.append(pattern * 8)   # repeats: prompt lookup finds drafts
+            self.engine = Engine(self.model, kv_blocks=kv_blocks, max_seqs=max_seqs, max_step_tokens=budget,
+                                 prefix_caching=caching, aging_steps=3, start=False)
 
-    @rule(prefix=st.integers(0, 4), n=st.integers(2, 3), seed=st.integers(0, 2**32))
-    def submit_n(self, prefix, n, seed):
-        prompt = self.prefixes[prefix][:40] + [seed % self.vocab]
-        self.reqs += self.engine.submit_n(prompt, n, 6, temperature=0.8, seed=seed)
+        @rule(prefix=st.integers(0, 4), tail=st.lists(st.integers(0, 40), min_size=0, max_size=30),
+              max_new=st.integers(1, 24), mode=st.sampled_from(["greedy", "sample", "spec"]),
+              priority=st.integers(-2, 2), seed=st.integers(0, 2**64 - 1), lp=st.booleans())
+        def submit(self, prefix, tail, max_new, mode, priority, seed, lp):
+            prompt = self.prefixes[prefix][:40] + [t % self.vocab for t in tail]
+            if not prompt:
+                prompt = [1]
+            room = self.kv_blocks * 16
+            if len(prompt) + max_new > room:
+                prompt = prompt[:max(1, room - max_new)]
+                max_new = min(max_new, room - len(prompt))
+            kw = dict(priority=priority, seed=seed, logprobs=lp, top_logprobs=2 if lp else 0)
+            if mode == "sample":
+                kw.update(temperature=0.9, top_k=20)
+            elif mode == "spec":
+                kw.update(spec_k=4)
+            self.reqs.append(self.engine.submit(prompt, max_new, **kw))
 
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def cancel(self, data):
-        data.draw(st.sampled_from(self.reqs)).cancel()
+        @rule(prefix=st.integers(0, 4), n=st.integers(2, 3), seed=st.integers(0, 2**32))
+        def submit_n(self, prefix, n, seed):
+            prompt = self.prefixes[prefix][:40] + [seed % self.vocab]
+            self.reqs += self.engine.submit_n(prompt, n, 6, temperature=0.8, seed=seed)
 
-    @rule(n=st.integers(1, 5))
-    def step(self, n):
-        for _ in range(n):
-            self.engine.step()
-            self.engine.check_invariants()
+        @precondition(lambda self: self.reqs)
+        @rule(data=st.data())
+        def cancel(self, data):
+            data.draw(st.sampled_from(self.reqs)).cancel()
 
-    @invariant()
-    def finishes_are_single(self):
-        if self.engine is not None:
-            st_ = self.engine.stats()
-            finished = sum(st_[f"finished_{k}"] for k in ("stop", "length", "cancelled", "error"))
-            assert finished == sum(r.done for r in self.reqs)
+        @rule(n=st.integers(1, 5))
+        def step(self, n):
+            for _ in range(n):
+                self.engine.step()
+                self.engine.check_invariants()
 
-    def teardown(self):
-        if self.engine is None:
-            return
-        run(self.engine)
-        pool = self.engine.pool
-        if pool is not None:
-            # idle: only the cache holds blocks
-            assert pool.phys_used() == self.engine.stats()["cached_blocks"]
-        for r in self.reqs:
-            assert r.done and r.error is None, r
-            assert_matches_solo(self.model, r)
-        self.engine.shutdown()
+        @invariant()
+        def finishes_are_single(self):
+            if self.engine is not None:
+                st_ = self.engine.stats()
+                finished = sum(st_[f"finished_{k}"] for k in ("stop", "length", "cancelled", "error"))
+                assert finished == sum(r.done for r in self.reqs)
+
+        def teardown(self):
+            if self.engine is None:
+                return
+            run(self.engine)
+            pool = self.engine.pool
+            if pool is not None:
+                # idle: only the cache holds blocks
+                assert pool.phys_used() == self.engine.stats()["cached_blocks"]
+            for r in self.reqs:
+                assert r.done and r.error is None, r
+                assert_matches_solo(self.model, r)
+            self.engine.shutdown()
+
+    return EngineMachine
 
 
-class SurjoMachine(EngineMachine):
-    family = "surjo"
-
-
-class FwkvMachine(EngineMachine):
-    family = "fwkv"
-
-
-_MACHINE_SETTINGS = settings(max_examples=25, stateful_step_count=40, deadline=None,
-                             suppress_health_check=[HealthCheck.too_slow])
-TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = _MACHINE_SETTINGS
-TestSurjoEngineMachine = SurjoMachine.TestCase
-TestSurjoEngineMachine.settings = _MACHINE_SETTINGS
-TestFwkvEngineMachine = FwkvMachine.TestCase
-TestFwkvEngineMachine.settings = _MACHINE_SETTINGS
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_machine(family):
+    machine = engine_machine(family)
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=40, deadline=None,
+                                                         suppress_health_check=[HealthCheck.too_slow]))
 
 
 # --------------------------------------------------------- threads and asyncio ---
@@ -480,7 +478,7 @@ def test_out_of_memory_in_a_step_preempts_and_loses_nothing():
         eng._core._inject_forward_result("nomem")
         eng.step()     # one decode token
         assert lone.finish_reason == "error" and isinstance(lone.error, MemoryError)
-        with pytest.raises(MemoryError):
+        with pytest.raises(MemoryError, match="out of memory in the engine's forward"):
             lone.result()
         after = eng.submit([3, 4, 5], 4)
         run(eng)
@@ -514,7 +512,7 @@ def test_shutdown_drains_or_cancels():
     reqs = [eng.submit([1, 2, 3, i], 30, seed=i, temperature=0.9) for i in range(4)]
     assert eng.shutdown(drain=True, timeout=60)
     assert all(r.finish_reason == "length" for r in reqs)
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineClosed, match="the engine has been shut down"):
         eng.submit([1], 1)
     eng = Engine(m, kv_blocks=16, start=False)
     reqs = [eng.submit([1, 2, 3, i], 30) for i in range(4)]

@@ -10,12 +10,11 @@ activation quantizers.
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import hypothesis_examples, runnable_isas
+from conftest import hypothesis_examples, hypothesis_or_skip, runnable_isas
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 
@@ -200,11 +199,20 @@ def test_int4_zero_code_keeps_the_sign_of_a_negative_scale():
         assert np.array_equal(bits(g), bits(w))
 
 
-@settings(max_examples=hypothesis_examples(60), deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 9),
-       storage=st.sampled_from(STORAGES), scale=st.sampled_from([1.0, 1e-20, 1e20]),
-       seed=st.integers(0, 2**32 - 1))
-def test_avx2_equality_property(rows, cols, T, storage, scale, seed):
+def test_avx2_equality_property():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(60), deadline=None)
+    @h.given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 9),
+             storage=st.sampled_from(STORAGES), scale=st.sampled_from([1.0, 1e-20, 1e20]),
+             seed=st.integers(0, 2**32 - 1))
+    def check(rows, cols, T, storage, scale, seed):
+        _avx2_equality_property(rows, cols, T, storage, scale, seed)
+    check()
+
+
+def _avx2_equality_property(rows, cols, T, storage, scale, seed):
     r = np.random.default_rng(seed)
     W = (r.standard_normal((rows, cols)) * scale).astype(np.float32)
     X = r.standard_normal((T, cols)).astype(np.float32)

@@ -18,11 +18,9 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from cism.loaders import CheckpointError, ggml_types, load_gguf
-from conftest import hypothesis_examples
+from conftest import hypothesis_examples, hypothesis_or_skip
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -99,10 +97,19 @@ def test_decoded_types_are_the_ones_tested():
         assert gguf.GGML_QUANT_SIZES[t] == ggml_types.GGML_TYPES[int(t)][1:], t.name
 
 
-@settings(max_examples=hypothesis_examples(60), deadline=None)
-@given(qtype=st.sampled_from(QUANTIZED), blocks=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
-       classes=st.lists(st.sampled_from(sorted(SCALE_CLASSES)), min_size=1, max_size=3, unique=True))
-def test_random_blocks_with_finite_scales(qtype, blocks, seed, classes):
+def test_random_blocks_with_finite_scales():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(60), deadline=None)
+    @h.given(qtype=st.sampled_from(QUANTIZED), blocks=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
+             classes=st.lists(st.sampled_from(sorted(SCALE_CLASSES)), min_size=1, max_size=3, unique=True))
+    def check(qtype, blocks, seed, classes):
+        _random_blocks_with_finite_scales(qtype, blocks, seed, classes)
+    check()
+
+
+def _random_blocks_with_finite_scales(qtype, blocks, seed, classes):
     rng = np.random.default_rng(seed)
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, (blocks, size), dtype=np.uint8)

@@ -17,13 +17,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from cism import _kernels
 from cism.loaders import ggml_types
 from cism.matrix import Matrix
 
-from conftest import hypothesis_examples, isas_under_test
+from conftest import hypothesis_examples, hypothesis_or_skip, isas_under_test
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -265,12 +264,21 @@ def test_gemm_rows_equal_gemv_and_threads_do_not_matter(storage, rows, cols, T, 
             assert same_bits(m.gemm(X[:2], threads=3), want[act][:2]), (isa, act)
 
 
-@settings(max_examples=hypothesis_examples(40), deadline=None)
-@given(storage=st.sampled_from(sorted(TYPES)), rows=st.integers(1, 40), blocks=st.integers(1, 6),
-       T=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
-       classes=st.lists(st.sampled_from(sorted(SCALE_CLASSES)), min_size=1, max_size=3, unique=True),
-       xscale=st.sampled_from([1.0, 1e-20, 1e20]))
-def test_isa_equality_property(storage, rows, blocks, T, seed, classes, xscale):
+def test_isa_equality_property():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(40), deadline=None)
+    @h.given(storage=st.sampled_from(sorted(TYPES)), rows=st.integers(1, 40), blocks=st.integers(1, 6),
+             T=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
+             classes=st.lists(st.sampled_from(sorted(SCALE_CLASSES)), min_size=1, max_size=3, unique=True),
+             xscale=st.sampled_from([1.0, 1e-20, 1e20]))
+    def check(storage, rows, blocks, T, seed, classes, xscale):
+        _isa_equality_property(storage, rows, blocks, T, seed, classes, xscale)
+    check()
+
+
+def _isa_equality_property(storage, rows, blocks, T, seed, classes, xscale):
     rng = np.random.default_rng(seed)
     cols = 256 * blocks
     raw = random_raw(storage, rows, cols, seed=seed, classes=classes, edges=seed % 2 == 0)

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 from cism.loaders import CheckpointError, load_checkpoint, load_gguf
+from cism.loaders.ggml_types import GGML_TYPES
 from cism.loaders.lazy import FileTensor
 from cism.matrix import Matrix
 
-from test_loaders import dense_tensors, gguf_meta, gguf_name, llama_cpp_permute, write_gguf
-from gguf import GGMLQuantizationType as Q
+# The tests that write GGUF files ask for gguf-py (through write_gguf); the rest do not need it.
+from test_loaders import dense_tensors, gguf_meta, gguf_name, gguf_py, llama_cpp_permute, write_gguf
+
+TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 
 FLOAT_STORAGES = ("fp32", "fp16", "int8", "int4", "fp4")
 
@@ -58,22 +61,23 @@ def test_pack_rows_refuses_what_does_not_fit():
         Matrix.empty(0, 8, "fp32")
 
 
-@pytest.mark.parametrize("qtype, storage", [(Q.Q4_K, "q4_k"), (Q.Q6_K, "q6_k")])
+@pytest.mark.parametrize("qtype, storage", [("Q4_K", "q4_k"), ("Q6_K", "q6_k")])
 def test_copy_ggml_rows_in_blocks_equals_from_ggml(qtype, storage):
     """Rows of a K-quant tensor copied in blocks: from_ggml's bytes."""
     path = os.path.join(os.path.dirname(__file__), "data", "ggml", "tiny-llama.Q4_K_M.gguf")
     ck = load_checkpoint(path, lazy=True)
-    t = next(t for t in ck.weights.values() if t.type_id == qtype and len(t.shape) == 2 and t.shape[0] > 20)
+    t = next(t for t in ck.weights.values()
+             if t.type_id == TYPE_IDS[qtype] and len(t.shape) == 2 and t.shape[0] > 20)
     rows, cols = t.shape
     raw = t.raw()
-    whole = Matrix.from_ggml(qtype.name, raw, rows, cols)
+    whole = Matrix.from_ggml(qtype, raw, rows, cols)
     m = Matrix.empty(rows, cols, storage)
     assert not m.dequantize().any()          # all-zero super-blocks are zeros
     for r0, r1 in ((0, 1), (1, 20), (20, rows)):
         m.copy_ggml_rows(r0, raw[r0:r1].copy(), threads=2)
     assert m.nbytes == whole.nbytes and np.array_equal(m.dequantize(), whole.dequantize())
     bad = raw.copy()
-    d = 0 if qtype == Q.Q4_K else 208                  # the fp16 d of super-block 0
+    d = 0 if qtype == "Q4_K" else 208                  # the fp16 d of super-block 0
     bad[5, d:d + 2] = [0x00, 0x7c]                     # +inf
     with pytest.raises(ValueError, match="non-finite scale in super-block 0 of row 5"):
         m.copy_ggml_rows(3, bad[3:7].copy())
@@ -82,7 +86,9 @@ def test_copy_ggml_rows_in_blocks_equals_from_ggml(qtype, storage):
 
 
 def _llama_gguf(path, qtype):
-    """A two-layer llama GGUF with q/k written in ggml's rotary order."""
+    """A two-layer llama GGUF with q/k written in ggml's rotary order (qtype: a ggml type name)."""
+    Q = gguf_py().GGMLQuantizationType
+    qtype = Q[qtype]
     rng = np.random.default_rng(7)
     heads, kv_heads = 4, 2
     hf = dense_tensors(rng, hidden=64, ffn=96, heads=heads, kv_heads=kv_heads, head_dim=16, vocab=300,
@@ -97,7 +103,7 @@ def _llama_gguf(path, qtype):
     return write_gguf(path, "llama", gguf_meta("llama", layers=2, vocab=300), tensors)
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_lazy_rows_equal_the_eager_load(tmp_path, qtype):
     """Any row range of any tensor (q and k reordered within their heads,
     ranges cutting through heads) is the same bits as the eager load's."""
@@ -164,7 +170,7 @@ def test_a_file_changed_after_its_header_was_read_is_named(tmp_path):
     file and that tensor (never a crash, never stale bytes: every read
     checks its length)."""
     from cism.dense import Config, Model
-    path = _llama_gguf(tmp_path / "m.gguf", Q.Q8_0)
+    path = _llama_gguf(tmp_path / "m.gguf", "Q8_0")
     ck = load_checkpoint(path, lazy=True)
     size = os.path.getsize(path)
     with open(path, "r+b") as f:

@@ -5,6 +5,7 @@ Kernel exactness policy: every SIMD variant implements the canonical
 arithmetic of csrc/kernels.h, so results are compared with the scalar
 reference BIT FOR BIT. Accuracy against float64 is a separate table below.
 """
+import gc
 import os
 import subprocess
 import sys
@@ -13,12 +14,11 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from cism import _kernels
 from cism.matrix import Matrix
 
-from conftest import hypothesis_examples, isas_under_test
+from conftest import hypothesis_examples, hypothesis_or_skip, isas_under_test
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 ISAS = isas_under_test()
@@ -166,12 +166,21 @@ def test_int8_rounds_every_half_away_from_zero():
     assert m.codes[0, 0] == -127 and m.codes[0, 1] == -126 and m.codes[0, 253] == 127
 
 
-@settings(max_examples=hypothesis_examples(200), deadline=None)
-@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
-       st.integers(0, 3))
-def test_int8_packing_matches_the_rule_for_any_floats(values, rows):
+def test_int8_packing_matches_the_rule_for_any_floats():
     """Subnormal, huge and mixed magnitudes: codes and scales equal the
     numpy statement of the rule."""
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(200), deadline=None)
+    @h.given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=70),
+             st.integers(0, 3))
+    def check(values, rows):
+        _int8_packing_matches_the_rule_for_any_floats(values, rows)
+    check()
+
+
+def _int8_packing_matches_the_rule_for_any_floats(values, rows):
     W = np.array([values] * (rows + 1), np.float32)
     W[1:] *= np.float32(-0.75)
     q, s = np_int8(W)
@@ -231,11 +240,20 @@ def test_every_isa_matches_reference_bitwise(storage, isa_level):
                 assert same_bits(got[act], want[act]), (isa, storage, act, rows, cols, T)
 
 
-@settings(max_examples=hypothesis_examples(60), deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
-       storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1),
-       wscale=st.sampled_from([1.0, 1e-30, 1e20]), xscale=st.sampled_from([1.0, 1e-20, 1e-36]))
-def test_isa_equality_property(rows, cols, T, storage, seed, wscale, xscale):
+def test_isa_equality_property():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(60), deadline=None)
+    @h.given(rows=st.integers(1, 40), cols=st.integers(1, 300), T=st.integers(1, 6),
+             storage=st.sampled_from(STORAGES), seed=st.integers(0, 2**32 - 1),
+             wscale=st.sampled_from([1.0, 1e-30, 1e20]), xscale=st.sampled_from([1.0, 1e-20, 1e-36]))
+    def check(rows, cols, T, storage, seed, wscale, xscale):
+        _isa_equality_property(rows, cols, T, storage, seed, wscale, xscale)
+    check()
+
+
+def _isa_equality_property(rows, cols, T, storage, seed, wscale, xscale):
     r = np.random.default_rng(seed)
     W = (r.standard_normal((rows, cols)) * wscale).astype(np.float32)
     X = (r.standard_normal((T, cols)) * xscale).astype(np.float32)
@@ -623,10 +641,19 @@ def test_row_and_sizes():
 
 def test_views_are_read_only_and_keep_the_matrix_alive():
     W = rng(14).standard_normal((4, 40)).astype(np.float32)
-    codes = Matrix(W, "int4").codes  # the Matrix itself is dropped here
-    assert not codes.flags.writeable
-    assert codes.shape == (4, 2, 16)
-    assert codes.sum() >= 0
+    m = Matrix(W, "int4")
+    scales = m.scales
+    codes = m.codes
+    del m
+    gc.collect()   # the views alone keep the packed buffers alive
+    assert not codes.flags.writeable and not scales.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        codes[0, 0, 0] = 1
+    # fill the heap: a view into freed memory would now read junk
+    junk = [np.full(codes.nbytes, 0xA5, np.uint8) for _ in range(64)]
+    want_codes, want_scales = np_int4(W)
+    assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
+    del junk
 
 
 # ------------------------------------------------------------- bad input ---

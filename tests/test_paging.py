@@ -8,19 +8,27 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cism import OutOfBlocks
 from cism.paging import BlockPool
 
-from conftest import hypothesis_examples
+from conftest import hypothesis_examples, hypothesis_or_skip
 from models import small_model
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
 
 
 # ------------------------------------------------------ the pool, modelled ---
+
+# What the pool raises for each failure the model predicts.
+FAILURES = {
+    "dup": (ValueError, r"BlockPool duplicate allocate for req_id=\d+"),
+    "unknown": (ValueError, r"BlockPool unknown (src )?req_id=\d+ in (ensure|fork|copy_on_write|share_block)\(\)"),
+    "beyond": (ValueError, r"BlockPool (fork prefix beyond src|copy_on_write position beyond) allocation"),
+    "oom": (OutOfBlocks, r"BlockPool out of memory"),
+    "free": (ValueError, r"BlockPool (bad phys block id \d+|(retain_block|share_block) of free block \d+)"),
+}
+
 
 class PoolModel:
     """The pool's documented semantics in plain Python."""
@@ -137,229 +145,239 @@ class PoolModel:
         return victim
 
 
-class PoolMachine(RuleBasedStateMachine):
-    """The pool against PoolModel, and its pages against what was written:
-    tags, one per element of a write (K apart from V, every block, position,
-    layer and channel its own), written as a session would: whole blocks at
-    allocate/ensure (prefill), the suffix of a fork's private tail block,
-    one position after copy_on_write (decode); blocks are also retained,
-    released and shared, as the engine's prefix cache does. After every
-    step each block in use (in a table or held) must hold exactly its tags,
-    so a page lost or mixed up in grow, evict, free, fork, copy-on-write or
-    a release fails the invariant. Tags are bit patterns (compared through
-    uint views) from a counter: positive finite values, which in float16
-    wrap after 31743 tags (a run writes up to ~50k; a block holds 384), so a
-    rare repeat can hide a mix-up but never fail a correct pool."""
+def pool_machine():
+    """The state machine class, built by its test so that only that test needs hypothesis."""
+    st = hypothesis_or_skip().strategies
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-    def __init__(self):
-        super().__init__()
-        self.model = PoolModel(6)
-        self.k_tags, self.v_tags = {}, {}  # phys -> (layers, 16, ...) of uint, what its page holds
-        self.written = 0
+    class PoolMachine(RuleBasedStateMachine):
+        """The pool against PoolModel, and its pages against what was written:
+        tags, one per element of a write (K apart from V, every block, position,
+        layer and channel its own), written as a session would: whole blocks at
+        allocate/ensure (prefill), the suffix of a fork's private tail block,
+        one position after copy_on_write (decode); blocks are also retained,
+        released and shared, as the engine's prefix cache does. After every
+        step each block in use (in a table or held) must hold exactly its tags,
+        so a page lost or mixed up in grow, evict, free, fork, copy-on-write or
+        a release fails the invariant. Tags are bit patterns (compared through
+        uint views) from a counter: positive finite values, which in float16
+        wrap after 31743 tags (a run writes up to ~50k; a block holds 384), so a
+        rare repeat can hide a mix-up but never fail a correct pool."""
 
-    @initialize(heads=st.sampled_from([1, 3]), dtype=st.sampled_from([np.float32, np.float16]))
-    def make_pool(self, heads, dtype):
-        # kv_width 6: one head, or three heads of 2 (the 5-d page views)
-        self.pool = BlockPool(6, 2, 6, dtype=dtype, head_dim=6 // heads)
-        self.uint = np.uint16 if dtype == np.float16 else np.uint32
-        self.tag_span = 0x7BFF if dtype == np.float16 else 0x7F7FFFFF  # positive finite bit patterns
+        def __init__(self):
+            super().__init__()
+            self.model = PoolModel(6)
+            self.k_tags, self.v_tags = {}, {}  # phys -> (layers, 16, ...) of uint, what its page holds
+            self.written = 0
 
-    def page_bits(self, pages, b):
-        return pages[b].view(self.uint)
+        @initialize(heads=st.sampled_from([1, 3]), dtype=st.sampled_from([np.float32, np.float16]))
+        def make_pool(self, heads, dtype):
+            # kv_width 6: one head, or three heads of 2 (the 5-d page views)
+            self.pool = BlockPool(6, 2, 6, dtype=dtype, head_dim=6 // heads)
+            self.uint = np.uint16 if dtype == np.float16 else np.uint32
+            self.tag_span = 0x7BFF if dtype == np.float16 else 0x7F7FFFFF  # positive finite bit patterns
 
-    def write(self, b, slots=slice(None)):
-        """Fresh tags into block b's keys and values at the given slots."""
-        for pages, tags in ((self.pool.k_pages, self.k_tags), (self.pool.v_pages, self.v_tags)):
-            if b not in tags:
-                tags[b] = np.zeros(pages.shape[1:], self.uint)
-            shape = tags[b][:, slots].shape
-            n = int(np.prod(shape))
-            fresh = (np.arange(self.written, self.written + n) % self.tag_span + 1).astype(self.uint)
-            self.written += n
-            tags[b][:, slots] = fresh.reshape(shape)
-            pages[b, :, slots] = fresh.reshape(shape).view(pages.dtype)
+        def page_bits(self, pages, b):
+            return pages[b].view(self.uint)
 
-    def copy_tags(self, dst, src, slots=slice(None)):
-        for tags in (self.k_tags, self.v_tags):
-            tags.setdefault(dst, np.zeros_like(tags[src]))[:, slots] = tags[src][:, slots]
+        def write(self, b, slots=slice(None)):
+            """Fresh tags into block b's keys and values at the given slots."""
+            for pages, tags in ((self.pool.k_pages, self.k_tags), (self.pool.v_pages, self.v_tags)):
+                if b not in tags:
+                    tags[b] = np.zeros(pages.shape[1:], self.uint)
+                shape = tags[b][:, slots].shape
+                n = int(np.prod(shape))
+                fresh = (np.arange(self.written, self.written + n) % self.tag_span + 1).astype(self.uint)
+                self.written += n
+                tags[b][:, slots] = fresh.reshape(shape)
+                pages[b, :, slots] = fresh.reshape(shape).view(pages.dtype)
 
-    def snapshot(self):
-        return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
+        def copy_tags(self, dst, src, slots=slice(None)):
+            for tags in (self.k_tags, self.v_tags):
+                tags.setdefault(dst, np.zeros_like(tags[src]))[:, slots] = tags[src][:, slots]
 
-    def same_or_unchanged(self, outcome, call, exc):
-        before = self.snapshot()
-        k_before, v_before = self.pool.k_pages.copy(), self.pool.v_pages.copy()
-        if outcome in ("dup", "unknown", "beyond", "oom"):
-            with pytest.raises(exc):
-                call()
-            assert self.snapshot() == before  # failed operations change nothing
-            assert np.array_equal(self.pool.k_pages.view(self.uint), k_before.view(self.uint))
-            assert np.array_equal(self.pool.v_pages.view(self.uint), v_before.view(self.uint))
-            return False
-        call()
-        return True
+        def snapshot(self):
+            return (self.pool.free_stack, self.pool.table, [self.pool.refcount(b) for b in range(self.pool.num_blocks)])
 
-    reqs = st.integers(0, 7)
+        def same_or_unchanged(self, outcome, call):
+            before = self.snapshot()
+            k_before, v_before = self.pool.k_pages.copy(), self.pool.v_pages.copy()
+            if outcome in FAILURES:
+                exc, message = FAILURES[outcome]
+                with pytest.raises(exc, match=message):
+                    call()
+                assert self.snapshot() == before  # failed operations change nothing
+                assert np.array_equal(self.pool.k_pages.view(self.uint), k_before.view(self.uint))
+                assert np.array_equal(self.pool.v_pages.view(self.uint), v_before.view(self.uint))
+                return False
+            call()
+            return True
 
-    @rule(r=reqs, n=st.integers(0, 40))
-    def allocate(self, r, n):
-        out = self.model.allocate(r, n) if r not in self.model.table else "dup"
-        if out == "dup":
-            with pytest.raises(ValueError, match="duplicate"):
-                self.pool.allocate(r, n)
-            return
-        if out == "oom":
-            self.model.table.pop(r, None)
-        self.same_or_unchanged(out, lambda: self.pool.allocate(r, n), OutOfBlocks)
-        if out is None:
-            for b in self.pool.get_blocks(r):
-                self.write(b)  # prefill
+        reqs = st.integers(0, 7)
 
-    @rule(r=reqs, n=st.integers(0, 60))
-    def ensure(self, r, n):
-        before = list(self.model.table.get(r, []))
-        out = self.model.ensure(r, n)
-        exc = ValueError if out == "unknown" else OutOfBlocks
-        if out == "oom":
-            self.model.table[r] = before
-        if self.same_or_unchanged(out, lambda: self.pool.ensure(r, n), exc):
-            for b in self.model.table[r][len(before):]:
-                self.write(b)
+        @rule(r=reqs, n=st.integers(0, 40))
+        def allocate(self, r, n):
+            out = self.model.allocate(r, n) if r not in self.model.table else "dup"
+            if out == "dup":
+                with pytest.raises(ValueError, match="duplicate"):
+                    self.pool.allocate(r, n)
+                return
+            if out == "oom":
+                self.model.table.pop(r, None)
+            self.same_or_unchanged(out, lambda: self.pool.allocate(r, n))
+            if out is None:
+                for b in self.pool.get_blocks(r):
+                    self.write(b)  # prefill
 
-    @rule(r=reqs)
-    def free(self, r):
-        if r not in self.model.table:
-            with pytest.raises(ValueError, match="double-free"):
-                self.pool.free(r)
-            return
-        self.model.release(r)
-        self.pool.free(r)
+        @rule(r=reqs, n=st.integers(0, 60))
+        def ensure(self, r, n):
+            before = list(self.model.table.get(r, []))
+            out = self.model.ensure(r, n)
+            if out == "oom":
+                self.model.table[r] = before
+            if self.same_or_unchanged(out, lambda: self.pool.ensure(r, n)):
+                for b in self.model.table[r][len(before):]:
+                    self.write(b)
 
-    @rule(d=reqs, s=reqs, n=st.integers(0, 48))
-    def fork(self, d, s, n):
-        src_blocks = list(self.model.table.get(s, []))
-        free_before = list(self.model.free)
-        out = self.model.fork(d, s, n)
-        if isinstance(out, str):
-            exc = OutOfBlocks if out == "oom" else ValueError
-            self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n), exc)
-            return
-        got = self.pool.fork(d, s, n)
-        assert got == self.model.table[d]
-        full = n // 16
-        assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
-        if out is not None:
-            # the partial tail was copied into a private block (checked by the
-            # invariant); the child then writes its suffix after it
-            src_b, dst_b, tail = out
-            self.copy_tags(dst_b, src_b, slice(None, tail))
-            self.write(dst_b, slice(tail, None))
-        assert free_before[: len(self.model.free)] == self.model.free
+        @rule(r=reqs)
+        def free(self, r):
+            if r not in self.model.table:
+                with pytest.raises(ValueError, match="double-free"):
+                    self.pool.free(r)
+                return
+            self.model.release(r)
+            self.pool.free(r)
 
-    @rule(r=reqs, pos=st.integers(0, 70))
-    def copy_on_write(self, r, pos):
-        out = self.model.cow(r, pos)
-        exc = OutOfBlocks if out == "oom" else ValueError
-        if isinstance(out, str):
-            self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), exc)
-            return
-        self.pool.copy_on_write(r, pos)
-        if out:
-            old, new = out
-            self.copy_tags(new, old)  # a full copy; the shared block stays as it was
+        @rule(d=reqs, s=reqs, n=st.integers(0, 48))
+        def fork(self, d, s, n):
+            src_blocks = list(self.model.table.get(s, []))
+            free_before = list(self.model.free)
+            out = self.model.fork(d, s, n)
+            if isinstance(out, str):
+                self.same_or_unchanged(out, lambda: self.pool.fork(d, s, n))
+                return
+            got = self.pool.fork(d, s, n)
+            assert got == self.model.table[d]
+            full = n // 16
+            assert got[:full] == src_blocks[:full]  # whole blocks are shared, not copied
+            if out is not None:
+                # the partial tail was copied into a private block (checked by the
+                # invariant); the child then writes its suffix after it
+                src_b, dst_b, tail = out
+                self.copy_tags(dst_b, src_b, slice(None, tail))
+                self.write(dst_b, slice(tail, None))
+            assert free_before[: len(self.model.free)] == self.model.free
 
-    @precondition(lambda self: any(self.model.table.values()))
-    @rule(data=st.data())
-    def decode_write(self, data):
-        """A session writes one position: copy_on_write first, so blocks
-        other requests share never change."""
-        r = data.draw(st.sampled_from(sorted(q for q, b in self.model.table.items() if b)))
-        pos = data.draw(st.integers(0, 16 * len(self.model.table[r]) - 1))
-        out = self.model.cow(r, pos)
-        if self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos), OutOfBlocks):
+        @rule(r=reqs, pos=st.integers(0, 70))
+        def copy_on_write(self, r, pos):
+            out = self.model.cow(r, pos)
+            if isinstance(out, str):
+                self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos))
+                return
+            self.pool.copy_on_write(r, pos)
             if out:
-                self.copy_tags(out[1], out[0])
-            self.write(self.model.table[r][pos // 16], pos % 16)
+                old, new = out
+                self.copy_tags(new, old)  # a full copy; the shared block stays as it was
 
-    def some_block(self, data):
-        """A block in use, mostly, else any id (free, or past the pool)."""
-        used = [b for b in range(self.model.n) if self.model.ref[b]]
-        return data.draw(st.sampled_from(used) | st.integers(0, 15) if used else st.integers(0, 15))
+        @precondition(lambda self: any(self.model.table.values()))
+        @rule(data=st.data())
+        def decode_write(self, data):
+            """A session writes one position: copy_on_write first, so blocks
+            other requests share never change."""
+            r = data.draw(st.sampled_from(sorted(q for q, b in self.model.table.items() if b)))
+            pos = data.draw(st.integers(0, 16 * len(self.model.table[r]) - 1))
+            out = self.model.cow(r, pos)
+            if self.same_or_unchanged(out, lambda: self.pool.copy_on_write(r, pos)):
+                if out:
+                    self.copy_tags(out[1], out[0])
+                self.write(self.model.table[r][pos // 16], pos % 16)
 
-    @rule(data=st.data())
-    def retain_block(self, data):
-        b = self.some_block(data)
-        out = self.model.retain(b)
-        self.same_or_unchanged(out and "unknown", lambda: self.pool.retain_block(b), ValueError)
+        def some_block(self, data):
+            """A block in use, mostly, else any id (free, or past the pool)."""
+            used = [b for b in range(self.model.n) if self.model.ref[b]]
+            return data.draw(st.sampled_from(used) | st.integers(0, 15) if used else st.integers(0, 15))
 
-    @precondition(lambda self: any(self.model.held))
-    @rule(data=st.data())
-    def release_block(self, data):
-        b = data.draw(st.sampled_from([b for b, h in enumerate(self.model.held) if h]))
-        self.model.release_held(b)
-        self.pool.release_block(b)
+        @rule(data=st.data())
+        def retain_block(self, data):
+            b = self.some_block(data)
+            out = self.model.retain(b)
+            self.same_or_unchanged(out, lambda: self.pool.retain_block(b))
 
-    @rule(r=reqs, data=st.data())
-    def share_block(self, r, data):
-        """A cached prefix block appended to a request (the engine shares
-        only full blocks; a later write copies it first)."""
-        b = self.some_block(data)
-        out = self.model.share(r, b)
-        self.same_or_unchanged(out and "unknown", lambda: self.pool.share_block(r, b), ValueError)
+        @precondition(lambda self: any(self.model.held))
+        @rule(data=st.data())
+        def release_block(self, data):
+            b = data.draw(st.sampled_from([b for b, h in enumerate(self.model.held) if h]))
+            self.model.release_held(b)
+            self.pool.release_block(b)
 
-    @rule(r=reqs)
-    def evict(self, r):
-        assert self.pool.evict_one(r) == self.model.evict(r)
+        @rule(r=reqs, data=st.data())
+        def share_block(self, r, data):
+            """A cached prefix block appended to a request (the engine shares
+            only full blocks; a later write copies it first)."""
+            b = self.some_block(data)
+            out = self.model.share(r, b)
+            self.same_or_unchanged(out, lambda: self.pool.share_block(r, b))
 
-    @precondition(lambda self: self.model.table)
-    @rule(data=st.data(), p=st.integers(-3, 3))
-    def set_priority(self, data, p):
-        r = data.draw(st.sampled_from(sorted(self.model.table)))
-        self.model.prio[r] = p
-        self.pool.set_priority(r, p)
-        assert self.pool.priority(r) == p
+        @rule(r=reqs)
+        def evict(self, r):
+            assert self.pool.evict_one(r) == self.model.evict(r)
 
-    @rule(extra=st.integers(0, 3))
-    def grow(self, extra):
-        if self.model.n + extra > 14:
-            return
-        old = self.model.n
-        self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
-        self.model.ref += [0] * extra
-        self.model.held += [0] * extra
-        self.model.n += extra
-        self.pool.grow(extra)
-        for pages in (self.pool.k_pages, self.pool.v_pages):
-            assert not pages[old:].view(self.uint).any()  # the new blocks are zeroed
+        @precondition(lambda self: self.model.table)
+        @rule(data=st.data(), p=st.integers(-3, 3))
+        def set_priority(self, data, p):
+            r = data.draw(st.sampled_from(sorted(self.model.table)))
+            self.model.prio[r] = p
+            self.pool.set_priority(r, p)
+            assert self.pool.priority(r) == p
 
-    @invariant()
-    def matches_model(self):
-        m, p = self.model, self.pool
-        assert p.free_stack == m.free
-        assert p.table == m.table
-        assert len(set(p.free_stack)) == len(p.free_stack)  # no duplicates
-        holders = [0] * p.num_blocks
-        for blocks in p.table.values():
-            for b in blocks:
-                holders[b] += 1
-        for b in range(p.num_blocks):
-            assert p.refcount(b) == holders[b] + m.held[b] == m.ref[b]
-            assert (m.ref[b] == 0) == (b in p.free_stack)  # free or referenced, never both
-        assert p.used() == sum(len(b) for b in m.table.values())
-        assert p.phys_used() == p.num_blocks - p.free_count() == sum(r > 0 for r in m.ref)
-        assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+        @rule(extra=st.integers(0, 3))
+        def grow(self, extra):
+            if self.model.n + extra > 14:
+                return
+            old = self.model.n
+            self.model.free.extend(range(self.model.n + extra - 1, self.model.n - 1, -1))
+            self.model.ref += [0] * extra
+            self.model.held += [0] * extra
+            self.model.n += extra
+            self.pool.grow(extra)
+            for pages in (self.pool.k_pages, self.pool.v_pages):
+                assert not pages[old:].view(self.uint).any()  # the new blocks are zeroed
 
-    @invariant()
-    def live_pages_hold_their_tags(self):
-        p = self.pool
-        assert p.k_pages.shape[0] == p.v_pages.shape[0] == p.num_blocks
-        for b in [b for b in range(self.model.n) if self.model.ref[b]]:  # in tables or held
-            assert np.array_equal(self.page_bits(p.k_pages, b), self.k_tags[b]), f"K page of block {b}"
-            assert np.array_equal(self.page_bits(p.v_pages, b), self.v_tags[b]), f"V page of block {b}"
+        @invariant()
+        def matches_model(self):
+            m, p = self.model, self.pool
+            assert p.free_stack == m.free
+            assert p.table == m.table
+            assert len(set(p.free_stack)) == len(p.free_stack)  # no duplicates
+            holders = [0] * p.num_blocks
+            for blocks in p.table.values():
+                for b in blocks:
+                    holders[b] += 1
+            for b in range(p.num_blocks):
+                assert p.refcount(b) == holders[b] + m.held[b] == m.ref[b]
+                assert (m.ref[b] == 0) == (b in p.free_stack)  # free or referenced, never both
+            assert p.used() == sum(len(b) for b in m.table.values())
+            assert p.phys_used() == p.num_blocks - p.free_count() == sum(r > 0 for r in m.ref)
+            assert p.usage() == (p.used(), p.free_count(), p.num_blocks)
+
+        @invariant()
+        def live_pages_hold_their_tags(self):
+            p = self.pool
+            assert p.k_pages.shape[0] == p.v_pages.shape[0] == p.num_blocks
+            for b in [b for b in range(self.model.n) if self.model.ref[b]]:  # in tables or held
+                assert np.array_equal(self.page_bits(p.k_pages, b), self.k_tags[b]), f"K page of block {b}"
+                assert np.array_equal(self.page_bits(p.v_pages, b), self.v_tags[b]), f"V page of block {b}"
+
+    return PoolMachine
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=hypothesis_examples(150), stateful_step_count=40, deadline=None)
+def test_pool_machine():
+    machine = pool_machine()
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(machine, settings=settings(max_examples=hypothesis_examples(150),
+                                                         stateful_step_count=40, deadline=None))
+
 
 
 def test_pool_basics_and_errors():
@@ -558,7 +576,7 @@ def test_many_sessions_in_a_tiny_pool(blocks):
         assert s.finish_reason == "length"
     assert sum(s.recomputes for s in sessions) > 0
     big = model.create_paged_session([1], 16 * blocks + 1)
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(OutOfBlocks, match="BlockPool out of memory"):
         big.next_tokens(16 * blocks + 1)
     assert big.finish_reason == "cancelled"
 

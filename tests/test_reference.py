@@ -319,11 +319,11 @@ def test_surjo_gdn_step_by_hand():
 
 def test_surjo_validation():
     good = SURJO_CASES["hv=h"]
-    with pytest.raises(ValueError):
-        surjo.make_config(**{**good, "gdn_v_heads": 6})             # not a multiple of heads
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="gdn_v_heads must be a positive multiple of heads"):
+        surjo.make_config(**{**good, "gdn_v_heads": 6})
+    with pytest.raises(ValueError, match=r"prelude \+ groups\*\(per_xsa\+1\) \+ coda must equal layers"):
         surjo.make_config(**{**good, "layers": 9})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="heads must divide into KV groups and head_dim must be even"):
         surjo.make_config(**{**good, "head_dim": 15})
 
 
@@ -390,7 +390,7 @@ def test_fwkv_step_by_hand():
 
 
 def test_fwkv_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"FWKV requires tied embeddings \(factorized tied head\)"):
         fwkv.make_config(d_model=8, d_emb=4, layers=1, vocab=5, tied=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"wkv_floor must be in \[0, 1\)"):
         fwkv.make_config(d_model=8, d_emb=4, layers=1, vocab=5, wkv_floor=1.0)

@@ -4,10 +4,9 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from cism import sampling
-from conftest import hypothesis_examples
+from conftest import hypothesis_examples, hypothesis_or_skip
 
 
 def test_mt19937_64_matches_the_cpp_standard():
@@ -43,10 +42,19 @@ def spec_sample(logits, temperature, top_p, top_k, u64):
     return order[nucleus - 1]
 
 
-@settings(max_examples=hypothesis_examples(200), deadline=None)
-@given(n=st.integers(1, 300), seed=st.integers(0, 2**64 - 1), temperature=st.floats(0.05, 3),
-       top_p=st.floats(0.01, 1.0), top_k=st.integers(0, 300), ties=st.booleans())
-def test_sampler_matches_the_spec_rule(n, seed, temperature, top_p, top_k, ties):
+def test_sampler_matches_the_spec_rule():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(200), deadline=None)
+    @h.given(n=st.integers(1, 300), seed=st.integers(0, 2**64 - 1), temperature=st.floats(0.05, 3),
+             top_p=st.floats(0.01, 1.0), top_k=st.integers(0, 300), ties=st.booleans())
+    def check(n, seed, temperature, top_p, top_k, ties):
+        _sampler_matches_the_spec_rule(n, seed, temperature, top_p, top_k, ties)
+    check()
+
+
+def _sampler_matches_the_spec_rule(n, seed, temperature, top_p, top_k, ties):
     rng = np.random.default_rng(seed % 2**32)
     logits = rng.standard_normal(n).astype(np.float32) * 3
     if ties:
@@ -129,7 +137,16 @@ def spec_draft(history, k):
     return cand
 
 
-@settings(max_examples=hypothesis_examples(300), deadline=None)
-@given(history=st.lists(st.integers(0, 5), max_size=40), k=st.integers(0, 16))
-def test_drafter_matches_the_spec_rule(history, k):
+def test_drafter_matches_the_spec_rule():
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=hypothesis_examples(300), deadline=None)
+    @h.given(history=st.lists(st.integers(0, 5), max_size=40), k=st.integers(0, 16))
+    def check(history, k):
+        _drafter_matches_the_spec_rule(history, k)
+    check()
+
+
+def _drafter_matches_the_spec_rule(history, k):
     assert sampling.draft(history, k) == spec_draft(history, k)

@@ -16,7 +16,6 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -26,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 import cism
 from cism.server import create_app
 
+from conftest import hypothesis_or_skip
 from serving import LiveServer, chat_ids, idle, solo
 
 NAME = "smollm2"
@@ -311,29 +311,44 @@ def test_metrics_move_as_requests_run(client, live):
 
 # ------------------------------------------------------ fuzzed request bodies ---
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                    | st.text(max_size=40),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-                    max_leaves=12)
-FIELDS = {"messages": st.one_of(JSON, st.lists(st.fixed_dictionaries(
-              {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-               "content": st.one_of(st.text(max_size=60), JSON)}), max_size=3)),
-          "prompt": st.one_of(st.text(max_size=60), st.lists(st.integers(-5, 60000), max_size=8), JSON),
-          "max_tokens": st.one_of(st.integers(-3, 40), JSON), "temperature": st.one_of(st.floats(-1, 3), JSON),
-          "top_p": st.one_of(st.floats(-0.5, 1.5), JSON), "n": st.one_of(st.integers(-1, 20), JSON),
-          "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), JSON),
-          "seed": st.one_of(st.integers(-2**65, 2**65), JSON), "stream": st.one_of(st.booleans(), JSON),
-          "logprobs": st.one_of(st.booleans(), st.integers(-2, 8), JSON),
-          "top_logprobs": st.one_of(st.integers(-2, 25), JSON), "top_k": st.one_of(st.integers(-2, 60000), JSON),
-          "spec_k": st.one_of(st.integers(-1, 20), JSON), "model": st.one_of(st.just(NAME), JSON),
-          "stream_options": JSON, "content": st.one_of(st.text(max_size=40), JSON),
-          "tokens": st.one_of(st.lists(st.integers(-3, 60000), max_size=6), JSON)}
+def request_bodies(st):
+    """A request body: an object whose known fields hold values of their kind or
+    any JSON, or any JSON value."""
+    any_json = st.recursive(
+        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=40),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+        max_leaves=12)
+    fields = {"messages": st.one_of(any_json, st.lists(st.fixed_dictionaries(
+                  {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                   "content": st.one_of(st.text(max_size=60), any_json)}), max_size=3)),
+              "prompt": st.one_of(st.text(max_size=60), st.lists(st.integers(-5, 60000), max_size=8), any_json),
+              "max_tokens": st.one_of(st.integers(-3, 40), any_json),
+              "temperature": st.one_of(st.floats(-1, 3), any_json),
+              "top_p": st.one_of(st.floats(-0.5, 1.5), any_json), "n": st.one_of(st.integers(-1, 20), any_json),
+              "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), any_json),
+              "seed": st.one_of(st.integers(-2**65, 2**65), any_json), "stream": st.one_of(st.booleans(), any_json),
+              "logprobs": st.one_of(st.booleans(), st.integers(-2, 8), any_json),
+              "top_logprobs": st.one_of(st.integers(-2, 25), any_json),
+              "top_k": st.one_of(st.integers(-2, 60000), any_json),
+              "spec_k": st.one_of(st.integers(-1, 20), any_json), "model": st.one_of(st.just(NAME), any_json),
+              "stream_options": any_json, "content": st.one_of(st.text(max_size=40), any_json),
+              "tokens": st.one_of(st.lists(st.integers(-3, 60000), max_size=6), any_json)}
+    return st.fixed_dictionaries({}, optional=fields) | any_json
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]),
-       body=st.fixed_dictionaries({}, optional=FIELDS) | JSON, raw=st.binary(max_size=30), use_raw=st.booleans())
-def test_fuzzed_bodies_never_get_a_5xx(live, path, body, raw, use_raw):
+def test_fuzzed_bodies_never_get_a_5xx(live):
+    h = hypothesis_or_skip()
+    st = h.strategies
+
+    @h.settings(max_examples=60, deadline=None, suppress_health_check=list(h.HealthCheck))
+    @h.given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]),
+             body=request_bodies(st), raw=st.binary(max_size=30), use_raw=st.booleans())
+    def check(path, body, raw, use_raw):
+        post_a_body(live, path, body, raw, use_raw)
+    check()
+
+
+def post_a_body(live, path, body, raw, use_raw):
     if isinstance(body, dict) and "max_tokens" in body and isinstance(body["max_tokens"], int):
         body["max_tokens"] = min(body["max_tokens"], 8)
     data = raw if use_raw else json.dumps(body).encode()

@@ -13,6 +13,7 @@ import cism.dense
 from cism.surjo import Config, Model, weight_shapes
 
 from conftest import runnable_isas
+from memlock import check_lock_pages
 from reference import surjo as ref
 
 PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
@@ -69,6 +70,19 @@ def rel_err(got, want):
     return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
 
 
+def log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl_and_top1(want, got):
+    """Per-position KL(want || got) of the next-token distributions, and the
+    fraction of positions whose argmax agrees."""
+    a, b = log_softmax(want), log_softmax(got)
+    return (np.exp(a) * (a - b)).sum(-1), float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
 # ------------------------------------------------------ reference parity ---
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -106,14 +120,25 @@ def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
     # each precision equals the reference run on its dequantized matrices. int8
     # activations add their own rounding (1-2% after one token), which random
     # weights amplify: the XSA projection subtracts nearly equal vectors, and
-    # the recurrences carry the error along (up to ~20% by the 6th token here)
+    # the recurrences carry the error along (up to ~20% of the logits by the
+    # 6th token here). So they are judged, like the dense precisions in
+    # test_checkpoints.py, by the next-token distributions against fp32
+    # activations: measured KL mean/max and top-1 over these 30 positions
+    # int8 3.5e-3/3.9e-2/83%, hybrid-int4 1.8e-3/8.8e-3/93%, hybrid-fp4
+    # 1.6e-3/4.4e-3/83% (random weights: flat distributions, max p ~0.08, so
+    # near-ties flip the argmax). Unrelated logits give KL ~1.
     for precision in ("fp16", "int8", "hybrid-int4", "hybrid-fp4"):
         m = Model(config, w, precision, threads=1)
         deq = {n: m.matrix(n).dequantize() if v.ndim == 2 else v for n, v in w.items()}
         got = m.logits_all(tokens)
         assert rel_err(got, ref.logits(ref_config(config), deq, tokens)) < 1e-4, precision
         m.set_act_precision("int8")
-        assert rel_err(m.logits_all(tokens), got) < 0.35, precision
+        if precision == "fp16":   # q8 activations meet only int8, int4 and fp4 weights
+            assert np.array_equal(m.logits_all(tokens), got)
+            continue
+        kl, top1 = kl_and_top1(got, m.logits_all(tokens))
+        # (above 0: the int8 activations are really in use)
+        assert 0 < kl.mean() < 0.01 and kl.max() < 0.1 and top1 >= 0.7, (precision, kl.mean(), kl.max(), top1)
 
 
 # ------------------------------------------------------------- invariances ---
@@ -359,6 +384,7 @@ def test_sampling_eos_and_length():
 def test_cancel_before_and_during_decode_and_prefill():
     model = make(seed=14, context=4096, hidden=256, intermediate=512, heads=8, kv_heads=4,
                  head_dim=32, gdn_v_heads=8, gdn_k_dim=32, gdn_v_dim=32, vocab=500)
+    before = model.create_session([1, 2, 3], 5).next_tokens(5), model.logits(list(range(1, 40)))
     s = model.create_session([1, 2, 3], 10)
     s.cancel()
     assert s.next_tokens(5) == [] and s.finish_reason == "cancelled"
@@ -379,8 +405,9 @@ def test_cancel_before_and_during_decode_and_prefill():
     s.cancel()
     t.join()
     assert s.finish_reason == "cancelled" and out["prefill"] == []
-    a = model.create_session([1, 2, 3], 5).next_tokens(5)
-    assert a == model.create_session([1, 2, 3], 5).next_tokens(5)
+    # the model is untouched: what it gave before the cancels, bit for bit
+    assert model.create_session([1, 2, 3], 5).next_tokens(5) == before[0]
+    assert np.array_equal(model.logits(list(range(1, 40))), before[1])
 
 
 # --------------------------------------------------------------- validation ---
@@ -603,13 +630,7 @@ def test_model_properties_and_memory_controls():
     assert m.compile_key != key and m.act_precision == "fp32"
     assert m.compile_canonical.startswith("surjo|48|80|4|2|16|101|512|1|2|2|1|2|4|12|10|4|True|False|")
     assert m.scan() == m.touch() > 0
-    locked = m.lock_pages()
-    assert 0 <= locked <= m.weight_bytes + 4096 and m.pages_locked
-    with pytest.raises(ValueError, match="already locked"):
-        m.lock_pages()
-    m.unlock_pages()
-    with pytest.raises(ValueError, match="not locked"):
-        m.unlock_pages()
+    check_lock_pages(m)
     assert "surjo" in repr(m)
 
 

@@ -224,9 +224,11 @@ def _parse(path, decode_arrays=False):
         header_end = h.pos
 
     alignment = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
-            or alignment & (alignment - 1)):
-        raise CheckpointError(path, f"general.alignment {alignment!r} is not a positive power of two")
+    if not isinstance(alignment, int) or isinstance(alignment, bool):
+        raise CheckpointError(path, f"metadata 'general.alignment' is {alignment!r} (a {type(alignment).__name__}), "
+                                    "expected an integer power of two")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(path, f"metadata 'general.alignment' is {alignment}, expected a positive power of two")
     data_start = -(-header_end // alignment) * alignment
 
     infos = [_tensor_info(path, size, data_start, alignment, *raw) for raw in raw_infos]

@@ -7,6 +7,7 @@ relative to byte 8 + N) plus an optional "__metadata__" object, then the data.
 """
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +57,11 @@ def parse_json(path, data, what):
         raise CheckpointError(path, f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
     except CheckpointError:
         raise
-    except ValueError as e:   # JSONDecodeError, or an integer literal too long to convert
+    except json.JSONDecodeError as e:
         raise CheckpointError(path, f"{what} is not valid JSON: {e}") from None
+    except ValueError:   # an integer literal longer than int() takes (sys.set_int_max_str_digits)
+        raise CheckpointError(path, f"{what} holds an integer literal of more than "
+                                    f"{sys.get_int_max_str_digits()} digits") from None
     except RecursionError:
         raise CheckpointError(path, f"{what} nests too deeply") from None
 
