@@ -90,6 +90,16 @@ def erf(x):
     return 2 / sqrt(PI) * Fraction(total)
 
 
+def trim(x):
+    """x to the nearest multiple of 2^-256 (10^-77): applied to a model's
+    carried values (residual stream, states, caches) after every step so the
+    Fractions do not grow without bound over a sequence; 16 orders below the
+    transcendental values' own 10^-60."""
+    if isinstance(x, (list, tuple)):
+        return [trim(v) for v in x]
+    return Fraction(round(Fraction(x) * 2 ** 256), 2 ** 256)
+
+
 def to_f64(values):
     """Fractions (nested lists) to a float64 array, for comparisons."""
     return np.array([[float(v) for v in row] for row in values]) if isinstance(values[0], (list, tuple)) \
