@@ -190,13 +190,13 @@ def test_tiny_model_by_hand_in_exact_rationals():
     constants 0.1f, 0.999f and the floor as decimals, 1e-9 away.
     """
     want = fwkv_by_hand(HAND_TOKENS)
-    want_states = np.array([[float(v) for v in st] for st, _ in want])
-    want_logits = np.array([[float(v) for v in lg] for _, lg in want])
+    want_states = E.to_f64([st for st, _ in want])
+    want_logits = E.to_f64([lg for _, lg in want])
     assert np.abs(np.diff(want_states, axis=0)).max(axis=1).min() > 0.1   # the state moves every step
     assert np.abs(want_logits[3] - want_logits[2]).max() > 0.1              # same token, another state
     c = Config(d_model=3, d_emb=2, layers=1, vocab=3, ffn_mult=1, context=16)
-    w32 = {k: np.array(E.to_f64(v), np.float32) for k, v in HAND.items()}
-    assert all(np.array_equal(w32[k].astype(np.float64), E.to_f64(v)) for k, v in HAND.items())
+    w32 = {k: E.to_f64(v).astype(np.float32) for k, v in HAND.items()}
+    assert all(np.array_equal(w32[k], E.to_f64(v)) for k, v in HAND.items())    # exact in float32
     m = Model(c, w32, "fp32", threads=1)
 
     def close(got, exact, rel):

@@ -235,11 +235,11 @@ def test_tiny_model_by_hand_in_exact_rationals():
     float32 run of the NumPy reference 9.6e-6), which would say nothing
     about either's arithmetic.
     """
-    want = np.array([[float(v) for v in z] for z in surjo_by_hand(HAND_TOKENS)])
+    want = E.to_f64(surjo_by_hand(HAND_TOKENS))
     assert np.abs(want[3] - want[1]).max() > 0.05 and np.abs(want[4] - want[0]).max() > 0.05   # history shows
     c = Config(**HAND_CONFIG)
-    w32 = {k: np.array(E.to_f64(v) if not isinstance(v[0], list) or not isinstance(v[0][0], list)
-                       else [[[float(t) for t in r] for r in m] for m in v], np.float32) for k, v in HAND.items()}
+    w32 = {k: E.to_f64(v).astype(np.float32) for k, v in HAND.items()}
+    assert all(np.array_equal(w32[k], E.to_f64(v)) for k, v in HAND.items())    # exact in float32
     m = Model(c, w32, "fp32", 1)
 
     def close(got, exact, rel):
@@ -249,7 +249,7 @@ def test_tiny_model_by_hand_in_exact_rationals():
     assert close(m.logits_all(HAND_TOKENS), want, 6e-7)
     decoded = m.create_session(HAND_TOKENS[:1], 5)                        # single-token decode steps
     seq = HAND_TOKENS[:1] + decoded.next_tokens(5)
-    by_hand = np.array([[float(v) for v in z] for z in surjo_by_hand(seq)])
+    by_hand = E.to_f64(surjo_by_hand(seq))
     for n in range(1, len(seq)):                                            # greedy: the exact argmax
         top2 = np.sort(by_hand[n - 1])[-2:]
         assert seq[n] == int(np.argmax(by_hand[n - 1])) and top2[1] - top2[0] > 1e-3, n

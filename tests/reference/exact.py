@@ -102,5 +102,6 @@ def trim(x):
 
 def to_f64(values):
     """Fractions (nested lists) to a float64 array, for comparisons."""
-    return np.array([[float(v) for v in row] for row in values]) if isinstance(values[0], (list, tuple)) \
-        else np.array([float(v) for v in values])
+    def floats(v):
+        return [floats(u) for u in v] if isinstance(v, (list, tuple)) else float(v)
+    return np.array(floats(values), np.float64)
