@@ -4,6 +4,7 @@ speculative == greedy with the state exact after every call, thread and ISA
 invariance, cancellation, text through the GPT-2 tokenizer, and every
 validation message."""
 import json
+from fractions import Fraction as Q
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 import cism
 from cism import _kernels
 from cism.fwkv import Config, Model, weight_shapes
+from tests.reference import exact as E
 from tests.reference import fwkv as ref
 
 from conftest import runnable_isas
@@ -108,6 +110,120 @@ def test_safetensors_checkpoint_matches_reference(case, tmp_path):
     state = ref.init_state(rc)
     ref.forward(rc, w, state, tokens)
     assert rel_err(s.state, state) < 1e-4
+
+
+# ---------------------------------------------- by hand, in exact rationals ---
+
+# One layer, d_model = 3, d_emb = 2, ffn_mult = 1, a vocabulary of 3; every weight a
+# small dyadic rational, so the float32 model holds exactly these values. The
+# decay logits w = (-3, 100, 0) put sigmoid(w) below the floor, above the
+# clamp and at 1/2; proj_out is large so the WKV state shows in the logits
+# through the 0.1 residual. (d_model = 2 would not do: a LayerNorm of two
+# values is (+-1, -+1) * weight + bias whatever they are, up to eps.)
+HAND = {"shared.weight": [[1, Q(-1, 2)], [Q(1, 4), 1], [Q(-3, 4), Q(1, 2)]],     # E (vocab, d_emb)
+        "shared.proj.weight": [[1, Q(1, 2)], [Q(-1, 2), 1], [Q(1, 4), Q(-3, 4)]],   # P (d_model, d_emb)
+        "norm.weight": [1, Q(1, 2), Q(3, 4)], "norm.bias": [Q(1, 4), Q(-1, 4), 0],
+        "blocks.0.proj_k.weight": [[Q(1, 2), Q(1, 4), 0], [Q(-1, 4), 1, Q(1, 2)], [0, Q(-1, 2), 1]],
+        "blocks.0.proj_v.weight": [[1, Q(-1, 2), Q(1, 4)], [Q(1, 2), Q(1, 4), 0], [-1, 0, Q(1, 2)]],
+        "blocks.0.proj_r.weight": [[Q(1, 2), 0, 0], [0, -1, Q(1, 4)], [Q(1, 4), 0, 1]],
+        "blocks.0.proj_out.weight": [[8, 4, 0], [-4, 8, 2], [2, -2, 8]],
+        "blocks.0.w": [-3, 100, 0],
+        "blocks.0.ffn.0.weight": [[1, -1, 0], [Q(1, 2), 1, Q(-1, 2)], [0, Q(1, 4), 1]],
+        "blocks.0.ffn.2.weight": [[2, 1, 0], [-1, 2, 1], [0, -1, 2]],
+        "blocks.0.norm_wkv.weight": [1, Q(3, 2), 1], "blocks.0.norm_wkv.bias": [0, Q(1, 4), Q(-1, 4)],
+        "blocks.0.norm_ffn.weight": [2, 1, 1], "blocks.0.norm_ffn.bias": [Q(1, 2), 0, 0]}
+HAND_TOKENS = [2, 0, 1, 1, 0]
+
+
+def fwkv_by_hand(tokens):
+    """FwkvSession::forward_tokens (single-token path) and fwkv_layer_norm,
+    fwkv_gelu, act_sigmoid of shared/spec/runtime.cpp.txt, line by line in
+    exact rationals. Returns the state and the logits after every token."""
+    w = {k: [[Q(x) for x in row] for row in v] if isinstance(v[0], list) else [Q(x) for x in v]
+         for k, v in HAND.items()}
+    floor, clamp, residual, eps = E.f32(0.1), E.f32(0.999), E.f32(0.1), E.f32(1e-5)   # wkv_floor, 0.999f, 0.1f, 1e-5f
+
+    def matvec(m, x):                        # Matrix::gemm: y_i = sum_j m_ij x_j
+        return [sum(mij * xj for mij, xj in zip(row, x)) for row in m]
+
+    def sigmoid(z):
+        return 1 / (1 + E.exp(-z))
+
+    def gelu(z):                             # fwkv_gelu: 0.5 x (1 + erf(x / sqrt 2))
+        return z / 2 * (1 + E.erf(z / E.sqrt(2)))
+
+    def layer_norm(u, g, b):                 # fwkv_layer_norm: population variance, eps 1e-5f
+        mean = sum(u) / len(u)
+        var = sum((ui - mean) ** 2 for ui in u) / len(u)
+        inv = 1 / E.sqrt(var + eps)
+        return [(ui - mean) * inv * gi + bi for ui, gi, bi in zip(u, g, b)]
+
+    p = "blocks.0."
+    P, emb = w["shared.proj.weight"], w["shared.weight"]
+    decay = [min(max(sigmoid(z), floor), clamp) for z in w[p + "w"]]     # std::clamp(sigmoid(w), floor, 0.999f)
+    assert decay == [floor, clamp, Q(1, 2)]
+    s, out = [Q(0)] * 3, []
+    for token in tokens:
+        x = matvec(P, emb[token])                                         # x = P e
+        k, v = matvec(w[p + "proj_k.weight"], x), matvec(w[p + "proj_v.weight"], x)
+        r = [sigmoid(z) for z in matvec(w[p + "proj_r.weight"], x)]
+        s = [ki * vi + di * si for ki, vi, di, si in zip(k, v, decay, s)]  # s = k v + W s
+        g = [ri * si for ri, si in zip(r, s)]                              # g = r s
+        o = matvec(w[p + "proj_out.weight"], g)
+        x = layer_norm([xi + residual * oi for xi, oi in zip(x, o)], w[p + "norm_wkv.weight"], w[p + "norm_wkv.bias"])
+        o = matvec(w[p + "ffn.2.weight"], [gelu(z) for z in matvec(w[p + "ffn.0.weight"], x)])
+        x = layer_norm([xi + residual * oi for xi, oi in zip(x, o)], w[p + "norm_ffn.weight"], w[p + "norm_ffn.bias"])
+        h = layer_norm(x, w["norm.weight"], w["norm.bias"])
+        x_emb = [sum(P[i][j] * h[i] for i in range(3)) for j in range(2)]   # x_emb = P^T h
+        out.append((list(s), matvec(emb, x_emb)))                          # logits = E x_emb
+    return out
+
+
+def test_tiny_model_by_hand_in_exact_rationals():
+    """The engine (fp32, its block prefill and single-token decode) and the
+    NumPy reference against the spec's equations evaluated in exact rationals
+    (fwkv_by_hand), state and logits after each of five tokens.
+
+    Tolerance: float32 rounding, relative to the largest exact value of each
+    vector. The engine: 3e-7 (measured 2026-12-07: state 4.8e-8, logits
+    6.9e-8; one float32 rounding is 6e-8). The float64 reference: 3e-8
+    (measured 7.1e-9), not ~1e-15, because it writes the spec's float32
+    constants 0.1f, 0.999f and the floor as decimals, 1e-9 away.
+    """
+    want = fwkv_by_hand(HAND_TOKENS)
+    want_states = E.to_f64([st for st, _ in want])
+    want_logits = E.to_f64([lg for _, lg in want])
+    assert np.abs(np.diff(want_states, axis=0)).max(axis=1).min() > 0.1   # the state moves every step
+    assert np.abs(want_logits[3] - want_logits[2]).max() > 0.1              # same token, another state
+    c = Config(d_model=3, d_emb=2, layers=1, vocab=3, ffn_mult=1, context=16)
+    w32 = {k: E.to_f64(v).astype(np.float32) for k, v in HAND.items()}
+    assert all(np.array_equal(w32[k], E.to_f64(v)) for k, v in HAND.items())    # exact in float32
+    m = Model(c, w32, "fp32", threads=1)
+
+    def close(got, exact, rel):
+        scale = np.abs(exact).max(axis=-1, keepdims=True)
+        return (np.abs(np.asarray(got, np.float64) - exact) <= rel * scale).all()
+
+    assert close(m.logits_all(HAND_TOKENS), want_logits, 3e-7)
+    for n in range(1, len(HAND_TOKENS) + 1):
+        s = m.create_session(HAND_TOKENS[:n], 1)
+        s.prefill()
+        assert close(s.state[0], want_states[n - 1], 3e-7), n
+        assert close(s.last_logits, want_logits[n - 1], 3e-7), n
+    decoded = m.create_session(HAND_TOKENS[:1], 4)                        # single-token decode steps
+    seq = HAND_TOKENS[:1] + decoded.next_tokens(4)
+    by_hand = fwkv_by_hand(seq)
+    for n in range(1, len(seq)):                                            # greedy: the exact argmax
+        z = sorted(float(v) for v in by_hand[n - 1][1])
+        assert seq[n] == int(np.argmax(E.to_f64(by_hand[n - 1][1]))) and z[-1] - z[-2] > 1e-3, n
+    n = decoded.position
+    assert close(decoded.state[0], E.to_f64(by_hand[n - 1][0]), 3e-7), n
+    assert close(decoded.last_logits, E.to_f64(by_hand[n - 1][1]), 3e-7), n
+    rc = ref.make_config(d_model=3, d_emb=2, layers=1, vocab=3, ffn_mult=1, context=16, wkv_floor=0.1)
+    state = ref.init_state(rc)
+    for n, token in enumerate(HAND_TOKENS):
+        z = ref.step(rc, {k: E.to_f64(v) for k, v in HAND.items()}, state, token)
+        assert close(state[0], want_states[n], 3e-8) and close(z, want_logits[n], 3e-8), n
 
 
 def test_half_precision_checkpoint_loads(tmp_path):

@@ -23,6 +23,7 @@ from cism.loaders import ggml_types
 from cism.matrix import Matrix
 
 from conftest import hypothesis_examples, hypothesis_or_skip, isas_under_test
+from reference import canonical
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -239,6 +240,23 @@ def test_fp32_activations_are_the_fp32_matrix_of_the_decode(storage, isa_level):
         for T in (1, 4, 6):
             X = activations(rng, T, cols)
             assert same_bits(m.gemm(X), f.gemm(X)), (isa, T)
+
+
+@pytest.mark.parametrize("storage", sorted(TYPES))
+def test_fp32_activations_are_the_documented_dot_of_gguf_py_decode(storage, isa_level):
+    """The same rule without an fp32 Matrix in between: the 16-lane dot and
+    tree stated in NumPy (tests/reference/canonical.py) over gguf-py's decode,
+    bit for bit on every level (decode, a prefill tile, two super-blocks)."""
+    rng = np.random.default_rng(31)
+    rows, cols = 7, 512
+    raw = random_raw(storage, rows, cols, seed=17, classes=("unit", "subnormal", "large"))
+    m = Matrix.from_ggml(TYPES[storage][0], raw, rows, cols)
+    for T in (1, 6):
+        X = activations(rng, T, cols)
+        want = canonical.dot16(decode(storage, raw), X)
+        for isa in ISAS:
+            isa_level(isa)
+            assert same_bits(m.gemm(X), want), (isa, T)
 
 
 @pytest.mark.parametrize("storage", sorted(TYPES))

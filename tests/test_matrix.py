@@ -19,6 +19,7 @@ from cism import _kernels
 from cism.matrix import Matrix
 
 from conftest import hypothesis_examples, hypothesis_or_skip, isas_under_test
+from reference import canonical
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4"]
 ISAS = isas_under_test()
@@ -353,6 +354,72 @@ def test_error_against_float64(storage, act):
     want = X.astype(np.float64) @ W.astype(np.float64).T
     nmse = np.sum((got - want) ** 2) / np.sum(want ** 2)
     assert nmse < NMSE_BOUND[(storage, act)], nmse
+
+
+def test_fma32_is_one_rounding():
+    """The oracle's fma (float64 round-to-odd, tests/reference/canonical.py)
+    against exact rationals rounded to float32: exponent gaps up to 60 bits
+    (where a plain float64 sum would round twice), cancellations, and sums
+    that sit exactly on float32 midpoints."""
+    r = rng(21)
+    n = 4000
+    a = (r.standard_normal(n) * 2.0 ** r.integers(-30, 30, n)).astype(np.float32)
+    b = r.standard_normal(n).astype(np.float32)
+    c = (r.standard_normal(n) * 2.0 ** r.integers(-60, 60, n)).astype(np.float32)
+    c[:500] = -(a[:500].astype(np.float64) * b[:500]).astype(np.float32)    # near cancellation
+    # 1 + 2^-24 is a float32 midpoint (ties to even: 1). (1 + 2^-23) (2^-24 (1 -
+    # 2^-23)) + (1 + 2^-23) = 1 + 2^-23 + 2^-24 - 2^-70 lies just below the
+    # midpoint between 1 + 2^-23 and 1 + 2^-22: the float64 sum rounds onto
+    # it and a second rounding would give the even 1 + 2^-22; the fma gives
+    # 1 + 2^-23
+    a[500:503] = [1.0, 1.0 + 2.0 ** -23, -1.0]
+    b[500:503] = [2.0 ** -24, 2.0 ** -24 * (1 - 2.0 ** -23), 2.0 ** -24]
+    c[500:503] = [1.0, 1.0 + 2.0 ** -23, -1.0]
+    got = canonical.fma32(a, b, c)
+    want = np.array([f32_round(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+                     for x, y, z in zip(a, b, c)], np.float32)
+    assert same_bits(got, want)
+    assert got[500] == 1 and got[501] == np.float32(1 + 2.0 ** -23)
+    assert (a[501].astype(np.float64) * b[501] + c[501]).astype(np.float32) == np.float32(1 + 2.0 ** -22)
+
+
+def np_weights(m, int8_scale=True):
+    """A packed Matrix's weights decoded by NumPy from its codes and scales."""
+    return canonical.decode(m.storage, m.codes, m.scales, m.cols, int8_scale)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_dequantize_is_the_numpy_decode_of_the_codes(storage):
+    """dequantize() (the oracle input of the Surjo, FWKV and bf16 tests) shares
+    its decode with the reference gemm; here it meets a NumPy decode of the
+    packed codes and scales, bit for bit (zero, tiny, huge and tie rows, tail
+    blocks, negative int4 scales whose code 8 gives -0)."""
+    for rows, cols in [(7, 1), (6, 17), (9, 33), (5, 100), (8, 300)]:
+        m = Matrix(special_matrix(rows, cols, seed=cols), storage)
+        assert same_bits(m.dequantize(), np_weights(m)), (rows, cols)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_fp32_activation_dot_is_the_documented_order(storage, isa_level):
+    """The fp32-activation product on every ISA level is, bit for bit, the
+    documented arithmetic stated in NumPy (tests/reference/canonical.py): the
+    16 fma lanes over the NumPy-decoded weights, the fixed tree, and for int8
+    the row scale after the dot. Lengths with tails of every size, one chunk
+    and more (1025 > the reference's 1024-column chunks), and token counts for
+    decode, the prefill tiles and a 67-token prefill."""
+    r = rng(23)
+    for rows, cols, T in [(1, 1, 1), (13, 15, 1), (9, 33, 3), (7, 100, 6), (14, 300, 7), (5, 1025, 5),
+                          (6, 64, 67)]:
+        W = special_matrix(rows, cols, seed=cols + 1)
+        X = (r.standard_normal((T, cols)) * r.choice([1e-3, 1.0, 40.0], size=(T, 1))).astype(np.float32)
+        m = Matrix(W, storage)
+        want = canonical.dot16(np_weights(m, int8_scale=False), X)
+        if storage == "int8":
+            want = want * m.scales[None, :]
+        for isa in ISAS:
+            isa_level(isa)
+            assert same_bits(m.gemm(X), want), (isa, rows, cols, T)
+            assert same_bits(m.gemv(X[-1]), want[-1]), (isa, rows, cols)
 
 
 def f32_round(x):
