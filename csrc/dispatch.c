@@ -102,6 +102,7 @@ static void fill(int level) {
     if (level >= CISM_ISA_AVX512) { cism_fill_gemm_avx512(&table); cism_fill_act_avx512(&table); }
     if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_avx512vnni(&table);
 #ifdef CISM_HAVE_AMX
+    if (level >= CISM_ISA_AVX512VNNI && cpu.avx512bf16) cism_fill_bf16_avx512(&table);
     if (level >= CISM_ISA_AMX) cism_fill_gemm_amx(&table);
 #endif
 #endif

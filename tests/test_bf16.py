@@ -1,4 +1,4 @@
-"""The opt-in bf16 precision (AMX): Matrix products against a float64
+"""The opt-in bf16 precision (AVX512-BF16 or AMX): Matrix products against a float64
 emulation of its rounding, the invariances it keeps (threads, tokens per
 call, rows' split), and dense models with bf16 prefill: close to exact,
 identical however a prompt is chunked, batched, paged, evicted or forked,
@@ -13,7 +13,7 @@ from cism.matrix import FLOAT_STORAGES, Matrix, bf16_available
 
 from models import small_model
 
-needs_amx = pytest.mark.skipif(not bf16_available(), reason="no AMX-BF16 on this CPU/OS")
+needs_amx = pytest.mark.skipif(not bf16_available(), reason="no AVX512-BF16 or AMX-BF16 on this CPU/OS")
 
 
 def bf16(a):
@@ -39,6 +39,49 @@ def emulate(m, X):
 
 
 SHAPES = [(64, 64, 16), (70, 100, 5), (33, 1040, 47), (1, 31, 1), (200, 3072, 40), (96, 576, 70)]
+
+
+def bf16_kernel():
+    return _kernels.kernel_variants()["gemm (bf16, opt-in)"]
+
+
+def vdpbf16ps(m, X):
+    """Intel's definition of VDPBF16PS over one weight row per lane: for each
+    k pair p in order, acc += x[2p+1] * w[2p+1], then acc += x[2p] * w[2p],
+    each sum rounded to nearest even in fp32 (a product of two bf16 is exact
+    in fp32); K padded with zeros to whole 32-element blocks; int8 codes
+    multiplied, the row scale applied to the finished dot."""
+    Wd = m.dequantize()
+    codes = np.round(Wd / m.scales[:, None]) if m.storage == "int8" else Wd
+    n = m.cols
+    kp = -(-n // 32) * 32
+    Wb = np.zeros((m.rows, kp), np.float32)
+    Wb[:, :n] = bf16(codes)
+    Xb = np.zeros((X.shape[0], kp), np.float32)
+    Xb[:, :n] = bf16(X)
+    acc = np.zeros((X.shape[0], m.rows), np.float32)
+    with np.errstate(all="ignore"):
+        for k in range(0, kp, 2):
+            acc += np.outer(Xb[:, k + 1], Wb[:, k + 1])
+            acc += np.outer(Xb[:, k], Wb[:, k])
+    if m.storage == "int8":
+        acc *= m.scales[None, :].astype(np.float32)
+    return acc
+
+
+@pytest.mark.skipif(bf16_kernel() != "avx512bf16", reason="the bf16 kernel in use is not the AVX512-BF16 one")
+@pytest.mark.parametrize("storage", FLOAT_STORAGES)
+@pytest.mark.parametrize("rows,cols,T", SHAPES[:4] + SHAPES[5:])
+def test_avx512bf16_is_the_instruction_definition(storage, rows, cols, T):
+    """The AVX512-BF16 kernel gives, bit for bit, Intel's pseudo-code of the
+    instruction in lane order (the AMX unit rounds differently, so this
+    holds on the VDPBF16PS kernel only)."""
+    rng = np.random.default_rng(rows + cols + T)
+    W = rng.standard_normal((rows, cols)).astype(np.float32)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    m = Matrix(W, storage)
+    m.act_precision = "bf16"
+    assert np.array_equal(m.gemm(X, threads=2), vdpbf16ps(m, X))
 
 
 @needs_amx
@@ -102,7 +145,7 @@ def test_matrix_bf16_refused_where_unavailable():
     _kernels.set_isa("ref")
     try:
         assert not bf16_available()
-        with pytest.raises(ValueError, match="needs AMX-BF16"):
+        with pytest.raises(ValueError, match="needs AVX512-BF16 or AMX-BF16"):
             m.act_precision = "bf16"
         assert m.act_precision == "fp32"
     finally:

@@ -53,7 +53,7 @@ def test_kernels_without_scratch_give_the_same_bits(level, storage, act, isa_lev
     assert (spent > 0) == uses, spent
 
 
-@pytest.mark.skipif(not bf16_available(), reason="needs AMX-BF16")
+@pytest.mark.skipif(not bf16_available(), reason="needs AVX512-BF16 or AMX-BF16")
 @pytest.mark.parametrize("storage", STORAGES)
 def test_bf16_without_scratch_raises_memory_error(storage, refused):
     rng = np.random.default_rng(5)
