@@ -42,6 +42,10 @@ ISA_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                    "-mavx512dq", "-mavx512vnni"],
+    # the opt-in bf16 precision without AMX (VDPBF16PS; installed at run time
+    # only where the CPU has AVX512-BF16)
+    "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                   "-mavx512dq", "-mavx512vnni", "-mavx512bf16"],
     # every AMX CPU also has AVX512-VBMI and GFNI (fp4 lookups, int4 nibbles)
     "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
             "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mgfni", "-mavx512bf16",
@@ -54,6 +58,7 @@ KERNEL_SOURCES = [
     ("csrc/gemm/gemm_avx512.c", "avx512"),
     ("csrc/gemm/gemm_avx512vnni.c", "avx512vnni"),
     ("csrc/gemm/gemm_amx.c", "amx"),
+    ("csrc/gemm/gemm_bf16_avx512.c", "avx512bf16"),
     ("csrc/act/act_ref.c", "ref"),
     ("csrc/act/act_avx2.c", "avx2"),
     ("csrc/act/act_avx512.c", "avx512"),
@@ -89,7 +94,7 @@ def probe_openmp():
 
 def probe_amx():
     """Whether the compiler takes the AMX (tile, bf16, int8) and AVX512-BF16 flags
-    and intrinsics (GCC 11+, Clang 12+); without them the "amx" ISA level is not built."""
+    and intrinsics (GCC 11+, Clang 12+); without them neither the "amx" level nor the AVX512-BF16 bf16 kernel is built."""
     if not X86 or os.environ.get("CISM_NO_AMX", "") not in ("", "0"):
         return False
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -122,7 +127,7 @@ class BuildExt(build_ext):
     def build_extensions(self):
         objects = []
         for path, isa in KERNEL_SOURCES:
-            if (isa != "ref" and not X86) or (isa == "amx" and not HAVE_AMX):
+            if (isa != "ref" and not X86) or (isa in ("amx", "avx512bf16") and not HAVE_AMX):
                 continue
             flags = BASE_CFLAGS + OPT_CFLAGS + SAN_FLAGS + ["-fPIC"] + ISA_FLAGS[isa]
             objects += self.compiler.compile(

@@ -243,11 +243,11 @@ cdef class DenseModel(WeightStore):
         Generated and verified tokens and the LM head stay exact; every
         prompt token gets the same bits however the prompt is chunked or
         batched and whatever the thread count (docs/EXACTNESS.md). Where
-        the CPU or OS has no AMX-BF16 this warns and stays ``"exact"``. Not
+        the CPU or OS has neither AVX512-BF16 nor AMX-BF16 this warns and stays ``"exact"``. Not
         while sessions run."""
         check_prefill_precision(prefill_precision)
         if prefill_precision == "bf16" and not bf16_ready():
-            warnings.warn("prefill_precision 'bf16' needs AMX-BF16, which this CPU, its OS or the "
+            warnings.warn("prefill_precision 'bf16' needs AVX512-BF16 or AMX-BF16, which this CPU, its OS or the "
                           "kernel level in use (CISM_ISA) does not offer; prefill stays exact",
                           RuntimeWarning, stacklevel=2)
             prefill_precision = "exact"

@@ -30,7 +30,7 @@ cdef int gemm_multi(const cism_mat **W, float **Y, const size_t *ldy, int count,
                     const float *X, size_t ldx, size_t T, Scratch *s, int threads) noexcept nogil
 cdef int gemm1(const cism_mat *W, int mode, const float *X, size_t ldx, size_t T,
                float *Y, size_t ldy, Scratch *s, int threads) noexcept nogil
-# Whether the bf16 kernel is in the dispatch table (AMX-BF16, granted by the OS).
+# Whether a bf16 kernel is in the dispatch table (AVX512-BF16, or AMX-BF16 granted by the OS).
 cdef bint bf16_ready() noexcept nogil
 # Row i of W (fp32/fp16/int8 only) into out[cols].
 cdef void mat_row(const cism_mat *W, size_t i, float *out) noexcept nogil

@@ -314,10 +314,11 @@ def _check_act_precision(value):
 
 
 def bf16_available():
-    """Whether the opt-in bf16 precision can run here: the CPU has AMX-BF16
-    and AVX512-BF16, the OS granted this process the tile state, and the
-    kernel level in use (``CISM_ISA``, ``cism._kernels.set_isa``) is the top
-    one."""
+    """Whether the opt-in bf16 precision can run here: the CPU has
+    AVX512-BF16 and the kernel level in use (``CISM_ISA``,
+    ``cism._kernels.set_isa``) is avx512vnni or higher (the VDPBF16PS
+    kernel), or the CPU has AMX-BF16, the OS granted this process the tile
+    state and the level is amx (the tile kernel)."""
     return bf16_ready()
 
 
@@ -590,7 +591,7 @@ cdef class Matrix:
                 raise ValueError(f"act_precision 'bf16' is not offered for {self.storage_name} matrices "
                                  "(their products keep the canonical kernels)")
             if not bf16_ready():
-                raise ValueError("act_precision 'bf16' needs AMX-BF16, which this CPU, its OS or "
+                raise ValueError("act_precision 'bf16' needs AVX512-BF16 or AMX-BF16, which this CPU, its OS or "
                                  "the kernel level in use (CISM_ISA) does not offer")
             self.act_mode = ACT_BF16
             return

@@ -158,8 +158,10 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_q4k_q8;                /* q4_k weights x q8 activations */
     cism_gemm_fn gemm_q6k_q8;                /* q6_k weights x q8 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
-     * in the hardware's order; see gemm_amx.c). NULL below the amx level
-     * (no AMX, not granted, or capped): callers keep the canonical kernels. */
+     * in the hardware's order; see gemm_amx.c and gemm_bf16_avx512.c). NULL
+     * where neither AMX-BF16 (amx level) nor AVX512-BF16 (avx512vnni level
+     * and up) runs, or CISM_ISA caps below them: callers keep the canonical
+     * kernels. */
     cism_gemm_fn gemm_bf16;
     cism_pack_bf16_fn pack_bf16;
     cism_dot_fn dot;
@@ -222,6 +224,7 @@ void cism_fill_gemm_avx2(cism_kernels *k);
 void cism_fill_gemm_avx512(cism_kernels *k);
 void cism_fill_gemm_avx512vnni(cism_kernels *k);
 void cism_fill_gemm_amx(cism_kernels *k);
+void cism_fill_bf16_avx512(cism_kernels *k);
 void cism_fill_act_ref(cism_kernels *k);
 void cism_fill_act_avx2(cism_kernels *k);
 void cism_fill_act_avx512(cism_kernels *k);

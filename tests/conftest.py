@@ -192,6 +192,27 @@ def amx_unit():
         yield "emulated"
 
 
+@pytest.fixture(params=["amx", "avx512bf16"])
+def bf16_unit(request):
+    """Each kernel of the opt-in bf16 precision: the amx level's tile kernel
+    (real or emulated, as amx_unit) and the VDPBF16PS kernel of the
+    avx512vnni level where the CPU has AVX512-BF16. Yields "real",
+    "emulated" or "avx512bf16"."""
+    if request.param == "amx":
+        yield request.getfixturevalue("amx_unit")
+        return
+    from cism import _kernels
+    if "avx512vnni" not in runnable_isas() or not _kernels.cpu_features()["avx512_bf16"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    before = _kernels.isa()
+    _kernels.set_isa("avx512vnni")
+    try:
+        assert _kernels.kernel_variants()["gemm (bf16, opt-in)"] == "avx512bf16"
+        yield "avx512bf16"
+    finally:
+        _kernels.set_isa(before)
+
+
 @pytest.fixture
 def isa_level():
     """Yields a setter that switches the dispatch table; restores it afterwards."""

@@ -1,13 +1,15 @@
-"""The opt-in bf16 precision (AMX): Matrix products against a float64
+"""The opt-in bf16 precision (AVX512-BF16 or AMX): Matrix products against a float64
 emulation of its rounding, the invariances it keeps (threads, tokens per
 call, rows' split), and dense models with bf16 prefill: close to exact,
 identical however a prompt is chunked, batched, paged, evicted or forked,
 and refused cleanly (a warning, exact prefill) where the CPU cannot run it.
 
-Where the CPU has no AMX these tests run on the emulated tile unit
-(tests/amx_emulator.py, the `amx_unit` fixture), whose TDPBF16PS follows
-the SDM's pseudo-code: there the products are also compared bit for bit
-with emulate_tile_unit."""
+Each test runs on every bf16 kernel (the `bf16_unit` fixture): the amx
+level's tile kernel, on the emulated tile unit where the CPU has no AMX
+(tests/amx_emulator.py), whose TDPBF16PS follows the SDM's pseudo-code, so
+there the products are also compared bit for bit with emulate_tile_unit;
+and the VDPBF16PS kernel where the CPU has AVX512-BF16, compared bit for
+bit with the instruction's definition (vdpbf16ps)."""
 import warnings
 
 import numpy as np
@@ -75,9 +77,55 @@ def emulate_tile_unit(m, X):
 SHAPES = [(64, 64, 16), (70, 100, 5), (33, 1040, 47), (1, 31, 1), (200, 3072, 40), (96, 576, 70)]
 
 
+def bf16_kernel():
+    return _kernels.kernel_variants()["gemm (bf16, opt-in)"]
+
+
+def vdpbf16ps(m, X):
+    """Intel's definition of VDPBF16PS over one weight row per lane: for each
+    k pair p in order, acc += x[2p+1] * w[2p+1], then acc += x[2p] * w[2p],
+    each sum rounded to nearest even in fp32 (a product of two bf16 is exact
+    in fp32); K padded with zeros to whole 32-element blocks; int8 codes
+    multiplied, the row scale applied to the finished dot."""
+    Wd = m.dequantize()
+    codes = np.round(Wd / m.scales[:, None]) if m.storage == "int8" else Wd
+    n = m.cols
+    kp = -(-n // 32) * 32
+    Wb = np.zeros((m.rows, kp), np.float32)
+    Wb[:, :n] = bf16(codes)
+    Xb = np.zeros((X.shape[0], kp), np.float32)
+    Xb[:, :n] = bf16(X)
+    acc = np.zeros((X.shape[0], m.rows), np.float32)
+    with np.errstate(all="ignore"):
+        for k in range(0, kp, 2):
+            acc += np.outer(Xb[:, k + 1], Wb[:, k + 1])
+            acc += np.outer(Xb[:, k], Wb[:, k])
+    if m.storage == "int8":
+        acc *= m.scales[None, :].astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("storage", FLOAT_STORAGES)
+@pytest.mark.parametrize("rows,cols,T", SHAPES[:4] + SHAPES[5:])
+def test_avx512bf16_is_the_instruction_definition(storage, rows, cols, T, isa_level):
+    """The AVX512-BF16 kernel gives, bit for bit, Intel's pseudo-code of the
+    instruction in lane order (the AMX unit rounds differently, so this
+    holds on the VDPBF16PS kernel only)."""
+    if not _kernels.cpu_features()["avx512_bf16"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    isa_level("avx512vnni")
+    assert bf16_kernel() == "avx512bf16"
+    rng = np.random.default_rng(rows + cols + T)
+    W = rng.standard_normal((rows, cols)).astype(np.float32)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    m = Matrix(W, storage)
+    m.act_precision = "bf16"
+    assert np.array_equal(m.gemm(X, threads=2), vdpbf16ps(m, X))
+
+
 @pytest.mark.parametrize("storage", FLOAT_STORAGES)
 @pytest.mark.parametrize("rows,cols,T", SHAPES)
-def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T, amx_unit):
+def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T, bf16_unit):
     rng = np.random.default_rng(rows * cols + T)
     W = rng.standard_normal((rows, cols)).astype(np.float32)
     X = rng.standard_normal((T, cols)).astype(np.float32)
@@ -90,10 +138,12 @@ def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T, amx_unit):
     # inputs rounded exactly as emulated: only the fp32 summation differs
     # (truncating instead of rounding would be ~1e-3 of the magnitudes)
     assert np.all(np.abs(Y - want) <= 2e-6 * mag + 1e-30)
-    if amx_unit == "emulated":
+    if bf16_unit == "emulated":
         unit = emulate_tile_unit(m, X)
         bad = np.argwhere(Y.view(np.uint32) != unit.view(np.uint32))
         assert not len(bad), f"{len(bad)} outputs differ from the tile unit's arithmetic, first {bad[:4].tolist()}"
+    if bf16_unit == "avx512bf16":
+        assert np.array_equal(Y, vdpbf16ps(m, X))  # the instruction's definition, bit for bit
     if storage in ("fp32", "fp16") or (T > 1 and cols > 32):
         assert not np.array_equal(Y, exact)  # it is not the canonical path
     # each output depends on its own row and token only
@@ -108,7 +158,7 @@ def test_matrix_bf16_is_the_rounded_product(storage, rows, cols, T, amx_unit):
         assert np.array_equal(Y[:, 32:], sub.gemm(X, threads=2))
 
 
-def test_matrix_bf16_extremes(amx_unit):
+def test_matrix_bf16_extremes(bf16_unit):
     """Large and tiny magnitudes stay finite and rounded; a zero input gives zeros."""
     rng = np.random.default_rng(3)
     W = (rng.standard_normal((40, 96)) * 1e18).astype(np.float32)
@@ -138,7 +188,7 @@ def test_matrix_bf16_refused_where_unavailable():
     _kernels.set_isa("ref")
     try:
         assert not bf16_available()
-        with pytest.raises(ValueError, match="needs AMX-BF16"):
+        with pytest.raises(ValueError, match="needs AVX512-BF16 or AMX-BF16"):
             m.act_precision = "bf16"
         assert m.act_precision == "fp32"
     finally:
@@ -179,7 +229,7 @@ def test_prefill_bf16_warns_and_stays_exact_without_amx():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-int4"])
-def test_prefill_bf16_close_to_exact(precision, amx_unit):
+def test_prefill_bf16_close_to_exact(precision, bf16_unit):
     exact = small_model("qwen3", precision, seed=5)
     fast = bf16_model("qwen3", precision, seed=5)
     assert fast.prefill_precision == "bf16" and fast.compile_key != exact.compile_key
@@ -195,7 +245,7 @@ def test_prefill_bf16_close_to_exact(precision, amx_unit):
     assert np.array_equal(fast.logits(prompt), a) and fast.compile_key == exact.compile_key
 
 
-def test_prefill_bf16_same_bits_however_the_prompt_runs(amx_unit):
+def test_prefill_bf16_same_bits_however_the_prompt_runs(bf16_unit):
     model = bf16_model("llama", seed=7)
     one = bf16_model("llama", seed=7, threads=1)
     rng = np.random.default_rng(8)
@@ -209,7 +259,7 @@ def test_prefill_bf16_same_bits_however_the_prompt_runs(amx_unit):
     assert np.array_equal(model.paged_logits(prompt), last)
 
 
-def test_generation_after_bf16_prefill_agrees_across_session_kinds(amx_unit):
+def test_generation_after_bf16_prefill_agrees_across_session_kinds(bf16_unit):
     """Batched, paged (through eviction and forks) and speculative decoding
     agree with plain sessions when both prefill in bf16: prompt tokens are
     bf16 wherever they run, generated ones canonical."""

@@ -60,7 +60,7 @@ def test_kernels_without_scratch_give_the_same_bits(level, storage, act, isa_lev
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-def test_bf16_without_scratch_raises_memory_error(storage, refused, amx_unit):
+def test_bf16_without_scratch_raises_memory_error(storage, refused, bf16_unit):
     rng = np.random.default_rng(5)
     m = Matrix(rng.standard_normal((40, 96)).astype(np.float32), storage)
     m.act_precision = "bf16"
