@@ -21,6 +21,23 @@ def bound(value, maximum, name):
     return int(value)
 
 
+def hexfloat(value):
+    """`value` as C's printf("%a") writes a double, which is what the spec's
+    `std::hexfloat` produces: no trailing zero hex digits ("0x1.388p+13", where
+    Python's float.hex() pads to "0x1.3880000000000p+13"), subnormals as
+    "0x0.<digits>p-1022", zeros as "0x0p+0", and "inf"/"nan" with their sign
+    (glibc writes "-nan" for a NaN whose sign bit is set)."""
+    value = float(value)
+    sign = "-" if math.copysign(1.0, value) < 0 else ""
+    if math.isnan(value):
+        return sign + "nan"
+    if math.isinf(value):
+        return sign + "inf"
+    mantissa, exponent = value.hex().lstrip("-").split("p")
+    mantissa = mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa
+    return f"{sign}{mantissa}p{exponent}"
+
+
 def positive_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")

@@ -246,8 +246,8 @@ class Config:
         """A canonical string of the shape (floats as hex of their float32 value)."""
         ints = [str(getattr(self, f.name)) for f in fields(self)
                 if f.name not in ("eps", "rope_theta", "model_type")]
-        return "|".join(["surjo"] + ints + [float(np.float32(self.eps)).hex(),
-                                            float(np.float32(self.rope_theta)).hex()])
+        return "|".join(["surjo"] + ints + [C.hexfloat(np.float32(self.eps)),
+                                            C.hexfloat(np.float32(self.rope_theta))])
 
 
 # The HF key of each layout field, for messages about the layout.

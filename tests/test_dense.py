@@ -582,3 +582,37 @@ def test_non_finite_logits_cancel_the_session(where):
     assert s.finish_reason == "cancelled"
     with pytest.raises(RuntimeError, match="non-finite logits"):
         m.create_batch_session([[1, 2], [3, 4, 5]], 3).next_tokens(3)
+
+
+def _printf_a(value):
+    """C's printf("%a") of a double, through libc: the oracle for std::hexfloat."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    buf = ctypes.create_string_buffer(64)
+    libc.snprintf(buf, 64, b"%a", ctypes.c_double(value))
+    return buf.value.decode()
+
+
+def test_hexfloat_writes_what_c_printf_a_writes():
+    """compile_canonical writes floats as the spec's std::hexfloat (C's %a):
+    "0x1.388p+13", not float.hex()'s "0x1.3880000000000p+13"."""
+    import struct
+    from cism._config import hexfloat
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 1 << 64, 2000, dtype=np.uint64)
+    values = [struct.unpack("<d", struct.pack("<Q", int(b)))[0] for b in bits]
+    values += [float(np.float32(v)) for v in rng.standard_normal(500) * 10.0 ** rng.integers(-40, 39, 500)]
+    values += [0.0, -0.0, 1.0, -1.0, 0.5, 10000.0, 1e-5, 1e-6, 5e-324, -5e-324, 2.2250738585072014e-308,
+               2.225073858507201e-308, 1e-310, 1.7976931348623157e308, float(np.float32(1e-45)),
+               float("inf"), float("-inf"), float("nan"),
+               struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000000))[0]]   # -nan
+    for v in values:
+        assert hexfloat(v) == _printf_a(v), v
+    assert hexfloat(10000.0) == "0x1.388p+13"
+
+
+def test_compile_canonical_is_the_spec_hexfloat_text():
+    m = small_model("llama")
+    assert m.compile_canonical == ("llama|64|96|2|4|2|16|97|512|" + _printf_a(float(np.float32(1e-6)))
+                                   + "|0x1.388p+13|0")
+
