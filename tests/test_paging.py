@@ -501,3 +501,12 @@ def test_threads_driving_paged_sessions():
     for t in threads:
         t.join()
     assert got == want
+
+
+def test_block_pool_total_is_num_blocks():
+    pool = BlockPool(5, 2, 8)
+    assert pool.total() == 5 == pool.usage()[2]
+    pool.allocate(1, 40)
+    assert pool.total() == 5
+    pool.grow(3)
+    assert pool.total() == 8 == pool.num_blocks
