@@ -38,6 +38,34 @@ def hexfloat(value):
     return f"{sign}{mantissa}p{exponent}"
 
 
+_C_SPACE = " \t\n\v\f\r"   # isspace() in the C locale
+_LLONG_MIN, _LLONG_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def stoll(text):
+    """`text` read as C++'s std::stoll reads it (strtoll, base 10): leading C
+    whitespace, an optional sign, then the longest run of ASCII digits; the
+    rest is ignored ("12abc" is 12). ValueError("stoll") when there is no digit
+    (std::invalid_argument) or the value is outside long long
+    (std::out_of_range); libstdc++'s what() is "stoll" for both."""
+    i, n = 0, len(text)
+    while i < n and text[i] in _C_SPACE:
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign = -1 if text[i] == "-" else 1
+        i += 1
+    start = i
+    while i < n and "0" <= text[i] <= "9":
+        i += 1
+    if i == start:
+        raise ValueError("stoll")
+    value = sign * int(text[start:i])
+    if not _LLONG_MIN <= value <= _LLONG_MAX:
+        raise ValueError("stoll")
+    return value
+
+
 def positive_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")

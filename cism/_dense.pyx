@@ -1029,11 +1029,13 @@ def paged_cap(layers, kv_width, wanted, esize=4):
 
 
 def paged_env_blocks():
-    """CISM_PAGED_MAX_BLOCKS (a positive integer), else the default 256."""
+    """CISM_PAGED_MAX_BLOCKS read as the spec reads it (std::stoll: "12abc" is
+    12), else the default 256: when unset, without digits, beyond long long
+    or not positive, as the spec ignores such values without a message."""
     import os
-    text = os.environ.get("CISM_PAGED_MAX_BLOCKS", "").strip()
+    from cism._config import stoll
     try:
-        value = int(text)
+        value = stoll(os.environ.get("CISM_PAGED_MAX_BLOCKS", ""))
     except ValueError:
         return PAGED_DEFAULT_BLOCKS
     return value if value > 0 else PAGED_DEFAULT_BLOCKS
