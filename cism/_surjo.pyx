@@ -1134,11 +1134,14 @@ cdef class Session(DecodeSession):
         return [i for i in range(self.m.n_steps) if self.skip[i]]
 
     def neural_draft(self, k):
-        """Up to k (<= 16) draft tokens from the neural drafter (the steps of
+        """Up to k draft tokens from the neural drafter (the steps of
         set_draft_steps left out; none when it was never armed), leaving the
         session's state exactly as it was. Drafts are greedy; fewer than 2
-        tokens are never drafted (the spec returns none for k < 2)."""
-        k = min(check_count(k, "k"), MAX_K)
+        tokens are never drafted (the spec returns none for k < 2). k is at
+        most 16, the most candidates verify takes (the spec has no cap)."""
+        k = check_count(k, "k")
+        if k > MAX_K:
+            raise ValueError(f"k must be at most {MAX_K} (the most candidates verify takes), got {k}")
         cdef size_t kk = k, n = 0, i
         cdef int rc
         with self.lock:

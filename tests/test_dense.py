@@ -616,3 +616,9 @@ def test_compile_canonical_is_the_spec_hexfloat_text():
     assert m.compile_canonical == ("llama|64|96|2|4|2|16|97|512|" + _printf_a(float(np.float32(1e-6)))
                                    + "|0x1.388p+13|0")
 
+
+def test_draft_k_is_capped_at_16_with_a_message():
+    s = small_model("llama").create_session([1, 2, 3, 1, 2, 3, 1, 2], 4)
+    assert len(s.draft(16)) <= 16
+    with pytest.raises(ValueError, match=r"k must be at most 16 \(the most candidates verify takes\), got 17"):
+        s.draft(17)

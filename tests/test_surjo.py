@@ -295,6 +295,10 @@ def test_neural_draft_leaves_the_state_untouched():
     assert len(drafted) == 16 and drafted[0] == want[0]
     assert np.array_equal(s.last_logits, before) and s.position == len(prompt)
     assert s.neural_draft(1) == [] and s.neural_draft(0) == []
+    # k is capped at 16, the most candidates verify takes, and said so
+    for draft in (s.neural_draft, s.draft):
+        with pytest.raises(ValueError, match=r"k must be at most 16 \(the most candidates verify takes\), got 17"):
+            draft(17)
     assert s.next_tokens(3) == want[:3]
     # verifying the drafter's guesses emits exactly the greedy tokens
     out = s.verify(s.neural_draft(8))
