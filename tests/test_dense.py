@@ -617,6 +617,41 @@ def test_compile_canonical_is_the_spec_hexfloat_text():
                                    + "|0x1.388p+13|0")
 
 
+def _one_token_overflows_attention(config):
+    """Weights under which token 5's own attention score overflows to +inf in
+    layer 0 (its q and k are 8e19 in every element; every other token's
+    embedding is zero in channel 0, so its q and k are zero)."""
+    w = dense_weights(config, seed=3)
+    w["model.embed_tokens.weight"][:, 0] = 0
+    w["model.embed_tokens.weight"][5] = 0
+    w["model.embed_tokens.weight"][5, 0] = 1
+    w["model.layers.0.input_layernorm.weight"][:] = 1
+    for name in ("q_proj", "k_proj"):
+        m = w[f"model.layers.0.self_attn.{name}.weight"]
+        m[:] = 0
+        m[:, 0] = 1e19
+    return w
+
+
+def test_non_finite_attention_score_is_refused_where_no_logits_show_it():
+    """The spec's check: every attention score of every token, so a prompt
+    whose bad token is out of the last token's sliding window (its logits
+    are finite) still fails, with the spec's message."""
+    config = small_config("mistral", sliding_window=4)
+    m = Model(config, _one_token_overflows_attention(config), "fp32", threads=1)
+    prompt = [1, 5] + [2, 3, 4] * 13
+    ok = Model(config, _one_token_overflows_attention(config), "fp32", threads=1)
+    assert np.isfinite(ok.logits([1, 2, 3])).all()
+    with pytest.raises(RuntimeError, match="^non-finite attention score during"):
+        m.logits(prompt)
+    s = m.create_session(prompt, 4)
+    with pytest.raises(RuntimeError, match="non-finite attention score"):
+        s.next_tokens(4)
+    assert s.finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="non-finite attention score"):
+        m.create_paged_session(prompt, 4).next_tokens(4)
+
+
 def test_draft_k_is_capped_at_16_with_a_message():
     s = small_model("llama").create_session([1, 2, 3, 1, 2, 3, 1, 2], 4)
     assert len(s.draft(16)) <= 16
