@@ -57,7 +57,7 @@ SETS = {"smollm2": ["Q4_1", "F32", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
 
 CISM_CHILD = r"""
 import json, sys, time
-import cism, cism.dense, cism.tokenizer
+import cism, cism.dense, cism.tokenizers
 path, precision, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 # VmHWM: this process's own peak RSS (ru_maxrss would count its parent's too)
 rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024

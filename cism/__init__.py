@@ -21,7 +21,7 @@ from cism._oom import memory_for as _memory_for  # noqa: E402
 
 _kernels.start_threads(_default_threads())   # see start_threads: libgomp exits if it cannot
 from cism.paging import OutOfBlocks  # noqa: F401
-from cism.tokenizer import Tokenizer  # noqa: F401
+from cism.tokenizers import Tokenizer  # noqa: F401
 from cism.engine import Engine, EngineClosed, QueueFull, Request  # noqa: F401
 
 __version__ = "0.1.0"

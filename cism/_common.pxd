@@ -9,6 +9,7 @@ cdef enum:
     NOMEM = -1
     NONFINITE = -2
     ERROR = -3         # an exception was stored on the session (pending_error)
+    NONFINITE_SCORE = -4   # an attention score was inf or NaN (the forward stopped)
 
 # Finish reasons (FINISH_NAMES in _common.pyx names them).
 cdef enum:

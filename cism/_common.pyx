@@ -87,6 +87,8 @@ cdef object raise_for(int rc, what="inference"):
         raise MemoryError(f"out of memory during {what}; the session is cancelled")
     if rc == NONFINITE:
         raise RuntimeError(f"non-finite logits during {what}; the session is cancelled")
+    if rc == NONFINITE_SCORE:
+        raise RuntimeError(f"non-finite attention score during {what}; the session is cancelled")
 
 
 cdef object logits_copy(const float *p, size_t n):

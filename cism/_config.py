@@ -21,6 +21,51 @@ def bound(value, maximum, name):
     return int(value)
 
 
+def hexfloat(value):
+    """`value` as C's printf("%a") writes a double, which is what the spec's
+    `std::hexfloat` produces: no trailing zero hex digits ("0x1.388p+13", where
+    Python's float.hex() pads to "0x1.3880000000000p+13"), subnormals as
+    "0x0.<digits>p-1022", zeros as "0x0p+0", and "inf"/"nan" with their sign
+    (glibc writes "-nan" for a NaN whose sign bit is set)."""
+    value = float(value)
+    sign = "-" if math.copysign(1.0, value) < 0 else ""
+    if math.isnan(value):
+        return sign + "nan"
+    if math.isinf(value):
+        return sign + "inf"
+    mantissa, exponent = value.hex().lstrip("-").split("p")
+    mantissa = mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa
+    return f"{sign}{mantissa}p{exponent}"
+
+
+_C_SPACE = " \t\n\v\f\r"   # isspace() in the C locale
+_LLONG_MIN, _LLONG_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def stoll(text):
+    """`text` read as C++'s std::stoll reads it (strtoll, base 10): leading C
+    whitespace, an optional sign, then the longest run of ASCII digits; the
+    rest is ignored ("12abc" is 12). ValueError("stoll") when there is no digit
+    (std::invalid_argument) or the value is outside long long
+    (std::out_of_range); libstdc++'s what() is "stoll" for both."""
+    i, n = 0, len(text)
+    while i < n and text[i] in _C_SPACE:
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign = -1 if text[i] == "-" else 1
+        i += 1
+    start = i
+    while i < n and "0" <= text[i] <= "9":
+        i += 1
+    if i == start:
+        raise ValueError("stoll")
+    value = sign * int(text[start:i])
+    if not _LLONG_MIN <= value <= _LLONG_MAX:
+        raise ValueError("stoll")
+    return value
+
+
 def positive_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")

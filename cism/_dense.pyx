@@ -29,7 +29,7 @@ from cism._nn cimport (KV, add_into, all_finite_f, grow_f, k_tile, kv_array, kv_
 from cism.matrix cimport ACT_BF16, Matrix, Scratch, bf16_ready, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP, LENGTH, CANCEL, Params,
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, ERROR, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
                            logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
                            cism_flag_check, arm_cancel)
@@ -512,6 +512,7 @@ cdef struct Work:
     size_t *tile_of  # (T,) first token of each attention query tile
     size_t tokens_cap, score_cap, out_cap, threads_cap
     bint prompt     # the next forward holds prompt tokens only (set by its caller)
+    int bad_score   # set (atomically, by any thread) when an attention score is not finite
     Scratch qs
 
 
@@ -616,7 +617,7 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
     cdef float scale = 1.0 / sqrtf(<float>hd)
     kv_scores(K, kv, q, QW, nq, l, kvh, hd, sc, span, span, window_start(m, p0) // 16, (span + 15) // 16)
     if window_start(m, span - 1) == 0:
-        tile_softmax(K, sc, span, nq, p0, scale, out, QW, hd)
+        tile_softmax(K, sc, span, nq, p0, scale, out, QW, hd, &w.bad_score)
         kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, QW, hd)
         for i in range(1, nq):
             kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
@@ -626,7 +627,7 @@ cdef void attend(const ModelC *m, const cism_kernels *K, Work *w, size_t l, size
         # chain being plain axpy's)
         for i in range(nq):
             lo = window_start(m, p0 + i)
-            window_softmax(K, sc + i * span, lo, p0 + i, scale, out + i * QW, hd)
+            window_softmax(K, sc + i * span, lo, p0 + i, scale, out + i * QW, hd, &w.bad_score)
             kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, lo, p0 + i + 1, 0, out + i * QW, QW, hd)
 
 
@@ -638,9 +639,11 @@ cdef inline size_t window_start(const ModelC *m, size_t p) noexcept nogil:
 
 
 cdef inline void window_softmax(const cism_kernels *K, float *row, size_t lo, size_t p, float scale,
-                                float *out, size_t hd) noexcept nogil:
+                                float *out, size_t hd, int *bad) noexcept nogil:
     """tile_softmax for one query at position p over positions lo..p of its
     score row (lo = 0: tile_softmax's bits); zeroes its output."""
+    if not all_finite_f(row + lo, p + 1 - lo):
+        cism_flag_set(bad, 1)
     K.softmax(row + lo, p + 1 - lo, scale)
     memset(out, 0, hd * sizeof(float))
 
@@ -665,7 +668,7 @@ cdef void attend_group(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         out = w.att + g * m.q_width + h0 * hd
         kv_scores(K, kv, q, hd, nh, l, kvh, hd, sc, span, span, lo // 16, (span + 15) // 16)
         for j in range(nh):
-            window_softmax(K, sc + j * span, lo, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd)
+            window_softmax(K, sc + j * span, lo, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, &w.bad_score)
         kv_weighted(K, kv, sc, span, nh, l, kvh, lo, span, 0, out, hd, hd)
 
 
@@ -691,7 +694,8 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         split_scores(m, K, w, l, kv, r // runs, t0 + tiles * (r % runs) // runs,
                      t0 + tiles * (r % runs + 1) // runs)
     for r in prange(m.heads, num_threads=nt, schedule='static'):
-        window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd)
+        window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd,
+                       &w.bad_score)
     for r in prange(m.kv_heads * cols, num_threads=nt, schedule='static'):
         split_weighted(m, K, w, l, kv, r // cols, (r % cols) * SPLIT_COLS)
 
@@ -735,7 +739,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     """Run T tokens (w.seq_of / w.pos_of give each token's sequence and
     position) through the model; logits of the tokens listed in out_rows go
     to logits (n_out, vocab). Keys and values are written for every token.
-    Returns OK, CANCELLED, NOMEM or NONFINITE."""
+    Returns OK, CANCELLED, NOMEM, NONFINITE_SCORE (checked for every token,
+    so also in a prompt chunk that wants no logits) or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
     cdef size_t H = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width
     cdef int nt = m.threads
@@ -766,6 +771,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
     items = ntiles * per_tile
     ntH = nt if items > 1 else 1
+    w.bad_score = 0
     for g in prange(T, num_threads=ntT, schedule='static'):
         mat_row(&m.embed, <size_t>tokens[g], w.x + g * H)
     for l in range(m.layers):
@@ -815,6 +821,8 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
                 else:
                     for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
                         attend(m, K, w, l, g, nq, h, &kvs[w.seq_of[g]], sc)
+        if w.bad_score:
+            return NONFINITE_SCORE
         # output projection, residual, MLP rmsnorm
         if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
             return NOMEM
@@ -1029,11 +1037,13 @@ def paged_cap(layers, kv_width, wanted, esize=4):
 
 
 def paged_env_blocks():
-    """CISM_PAGED_MAX_BLOCKS (a positive integer), else the default 256."""
+    """CISM_PAGED_MAX_BLOCKS read as the spec reads it (std::stoll: "12abc" is
+    12), else the default 256: when unset, without digits, beyond long long
+    or not positive, as the spec ignores such values without a message."""
     import os
-    text = os.environ.get("CISM_PAGED_MAX_BLOCKS", "").strip()
+    from cism._config import stoll
     try:
-        value = int(text)
+        value = stoll(os.environ.get("CISM_PAGED_MAX_BLOCKS", ""))
     except ValueError:
         return PAGED_DEFAULT_BLOCKS
     return value if value > 0 else PAGED_DEFAULT_BLOCKS

@@ -19,7 +19,7 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcmp, memcpy, memset
 
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy,
                            cism_flag_get, cism_flag_set, cism_flag_check)
 from cism._nn cimport all_finite_f, grow_f
@@ -679,6 +679,11 @@ cdef class EngineCore:
             for q in plan:
                 q.in_step = False
             self.cancel_everything()
+            return T
+        if rc == NONFINITE_SCORE:   # the forward stopped: no row holds logits
+            for q in plan:
+                q.in_step = False
+                self.fail(q, RuntimeError("non-finite attention score"))
             return T
         self.budget_cap = min(self.max_step_tokens, self.budget_cap * 2)
         self.finish_step(plan, rc == NONFINITE)

@@ -13,6 +13,9 @@ cdef extern from "<stdlib.h>" nogil:
 cdef extern from * nogil:
     void __builtin_prefetch(const void *addr, int rw, int locality)
 
+cdef extern from "flag.h" nogil:
+    void cism_flag_set(int *p, int v)
+
 cdef inline int grow_f(float **p, size_t n) noexcept nogil:
     """Replace p[0] by a buffer of n floats (and 64 spare bytes), 64-byte
     aligned so that kernel loads never straddle cache lines. The old
@@ -70,13 +73,18 @@ cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, cons
 # exactly the arithmetic of attending alone (docs/EXACTNESS.md).
 
 cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
-                              float scale, float *out, size_t ldo, size_t hd) noexcept nogil:
+                              float scale, float *out, size_t ldo, size_t hd, int *bad) noexcept nogil:
     """Row i of sc (positions 0..p0 + i) becomes the weights of query i
     (K.softmax: times scale, minus the maximum, exp, each divided by the
     sum, the maximum and the sum by 16 lanes and the canonical tree).
-    Zeroes each query's output row (hd floats)."""
+    Zeroes each query's output row (hd floats). A row holding a non-finite
+    score sets bad[0] (the spec's "non-finite attention score"; the scale
+    is positive and at most 1, so the unscaled dots are finite exactly when
+    the scaled ones are)."""
     cdef size_t i
     for i in range(nq):
+        if not all_finite_f(sc + i * ldsc, p0 + i + 1):
+            cism_flag_set(bad, 1)
         K.softmax(sc + i * ldsc, p0 + i + 1, scale)
         memset(out + i * ldo, 0, hd * sizeof(float))
 

@@ -413,8 +413,11 @@ cdef class DecodeSession(SessionState):
         return out
 
     def draft(self, k):
-        """The prompt-lookup draft of up to k (<= 16) tokens from the history."""
-        k = min(check_count(k, "k"), MAX_K)
+        """The prompt-lookup draft of up to k tokens from the history. k is
+        at most 16, the most candidates verify takes (the spec has no cap)."""
+        k = check_count(k, "k")
+        if k > MAX_K:
+            raise ValueError(f"k must be at most {MAX_K} (the most candidates verify takes), got {k}")
         cdef int64_t buf[MAX_K]
         with self.lock:
             n = draft_tokens(self.s.history, self.s.hist_len, k, buf)

@@ -35,7 +35,7 @@ from cism._nn cimport (KV, add_into, all_finite_f, grow_f, kv_array, kv_paged, k
 from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
 from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
                             sampler_free, draft_tokens)
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
+from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL, Params,
                            as_tokens, check_count, check_spec_k, parse_params, raise_for,
                            logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
                            cism_flag_check)
@@ -406,6 +406,7 @@ cdef struct Work:
     size_t *tile_of # (T,) first token of each attention query tile
     float **snapp   # (T,) a session's snapshot targets (unused: NULLs)
     size_t tokens_cap, score_cap, out_cap, threads_cap
+    int bad_score   # set (atomically, by any thread) when an attention score is not finite
     Scratch qs
 
 
@@ -545,7 +546,7 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *
     cdef size_t kvh = h // (m.heads // m.kv_heads)
     cdef float *out = w.att + g0 * QW + h * hd
     kv_scores(K, kv, w.q + g0 * QW + h * hd, QW, nq, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
-    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd)
+    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd, &w.bad_score)
     kv_weighted(K, kv, sc, span, nq, slot, kvh, 0, p0 + 1, 0, out, QW, hd)
     for i in range(1, nq):
         kv_weighted(K, kv, sc + i * span, span, 1, slot, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
@@ -569,7 +570,8 @@ cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, cons
         out = w.att + g * QW + h0 * hd
         kv_scores(K, kv, w.q + g * QW + h0 * hd, hd, nh, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
         for j in range(nh):
-            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd)
+            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd,
+                         &w.bad_score)
         kv_weighted(K, kv, sc, span, nh, slot, kvh, 0, span, 0, out, hd, hd)
         if m.xsa_projection:
             for j in range(nh):
@@ -724,7 +726,8 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     b.runs[r].state) through the plan (steps with skip[s] set are left out:
     the neural drafter). Each run's logits rows go to b.logits; b.snap, if
     given, receives a run's whole recurrent state after the tokens it names.
-    Returns OK, CANCELLED, NOMEM or NONFINITE."""
+    Returns OK, CANCELLED, NOMEM, NONFINITE_SCORE (checked for every token,
+    so also in a prompt chunk that wants no logits) or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
     cdef size_t D = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width, T = b.T
     cdef size_t KT = m.key_total, VT = m.value_total, DV = m.v_dim
@@ -753,6 +756,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         n_out += b.runs[r].n_out
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
+    w.bad_score = 0
     for r in range(R):
         run = &b.runs[r]
         for i in range(run.n):
@@ -805,6 +809,8 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
                     for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
                         xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, h, w.pos_of[g],
                                    w.scores + threadid() * QTILE * w.score_cap)
+            if w.bad_score:
+                return NONFINITE_SCORE
             if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
                 return NOMEM
         else:
@@ -1134,11 +1140,14 @@ cdef class Session(DecodeSession):
         return [i for i in range(self.m.n_steps) if self.skip[i]]
 
     def neural_draft(self, k):
-        """Up to k (<= 16) draft tokens from the neural drafter (the steps of
+        """Up to k draft tokens from the neural drafter (the steps of
         set_draft_steps left out; none when it was never armed), leaving the
         session's state exactly as it was. Drafts are greedy; fewer than 2
-        tokens are never drafted (the spec returns none for k < 2)."""
-        k = min(check_count(k, "k"), MAX_K)
+        tokens are never drafted (the spec returns none for k < 2). k is at
+        most 16, the most candidates verify takes (the spec has no cap)."""
+        k = check_count(k, "k")
+        if k > MAX_K:
+            raise ValueError(f"k must be at most {MAX_K} (the most candidates verify takes), got {k}")
         cdef size_t kk = k, n = 0, i
         cdef int rc
         with self.lock:

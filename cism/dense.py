@@ -133,11 +133,11 @@ class Config:
     def canonical(self):
         """The spec's canonical string of the shape (floats in hex)."""
         return "|".join([self.model_type] + [str(getattr(self, f.name)) for f in fields(self)[1:9]]
-                        + [float(np.float32(self.eps)).hex(), float(np.float32(self.rope_theta)).hex(),
+                        + [C.hexfloat(np.float32(self.eps)), C.hexfloat(np.float32(self.rope_theta)),
                            str(int(self.tied))]
                         + (["qkv-bias"] if self.qkv_bias else [])
                         + ([f"window={self.sliding_window}"] if self.sliding_window else [])
-                        + ([self.rope_scaling[0]] + [float(np.float32(v)).hex() for v in self.rope_scaling[1:]]
+                        + ([self.rope_scaling[0]] + [C.hexfloat(np.float32(v)) for v in self.rope_scaling[1:]]
                            if self.rope_scaling else []))
 
 

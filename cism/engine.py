@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 
-from cism._config import is_int
+from cism._config import is_int, stoll
 from cism.sampling import check_knobs, check_sampling, check_seed
 
 MAX_SPEC_K = 16
@@ -246,10 +246,12 @@ def _kv_blocks_default(model, stepper, max_seqs):
     """CISM_PAGED_MAX_BLOCKS when set; else room for max_seqs requests of
     min(context, 2048) tokens within the model's KV budget (1 GiB when it
     has none), and always room for one request of min(context, 4096)."""
-    env = os.environ.get("CISM_PAGED_MAX_BLOCKS", "").strip()
-    if env:
+    env = os.environ.get("CISM_PAGED_MAX_BLOCKS", "")
+    if env.strip():
+        # Read as the model's own pool reads it (std::stoll's leading digits),
+        # but a value the pool would ignore is an error here, not a silent default.
         try:
-            value = int(env)
+            value = stoll(env)
         except ValueError:
             raise ValueError(f"CISM_PAGED_MAX_BLOCKS must be a positive integer, got {env!r}") from None
         if value < 1:

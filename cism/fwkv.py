@@ -87,7 +87,7 @@ class Config:
         """The shape as one string (the float in hex), the first part of compile_key."""
         return "|".join([MODEL_TYPE] + [str(v) for v in (self.d_model, self.d_emb, self.layers,
                                                          self.ffn_mult, self.vocab, self.context)]
-                        + [float(np.float32(self.wkv_floor)).hex(), str(int(self.tied))])
+                        + [C.hexfloat(np.float32(self.wkv_floor)), str(int(self.tied))])
 
 
 def _floor(value):

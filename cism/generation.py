@@ -116,7 +116,7 @@ class GenerationMixin:
             source = getattr(self, "source", None)
             info = getattr(source, "tokenizer", None) if source is not None else None
             if info:
-                from cism.tokenizer import Tokenizer
+                from cism.tokenizers import Tokenizer
                 self._tokenizer = Tokenizer.from_pretrained(info["path"])
         return self._tokenizer
 

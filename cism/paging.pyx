@@ -163,6 +163,10 @@ cdef class BlockPool:
     def free_count(self):
         return len(self.free_stack_)
 
+    def total(self):
+        """Physical blocks in the pool (num_blocks; grows with grow())."""
+        return self.num_blocks
+
     def usage(self):
         """(used, free, total)."""
         return (self.used(), len(self.free_stack_), self.num_blocks)

@@ -41,6 +41,7 @@ import numpy as np
 
 from cism import _config as C
 from cism._surjo import Session, SurjoModel  # noqa: F401
+from cism.matrix import MAX_COLS, MAX_ROWS
 from cism.generation import GenerationMixin
 
 # Bound on recurrent_passes: the spec has none, but the plan (and every state)
@@ -246,8 +247,8 @@ class Config:
         """A canonical string of the shape (floats as hex of their float32 value)."""
         ints = [str(getattr(self, f.name)) for f in fields(self)
                 if f.name not in ("eps", "rope_theta", "model_type")]
-        return "|".join(["surjo"] + ints + [float(np.float32(self.eps)).hex(),
-                                            float(np.float32(self.rope_theta)).hex()])
+        return "|".join(["surjo"] + ints + [C.hexfloat(np.float32(self.eps)),
+                                            C.hexfloat(np.float32(self.rope_theta))])
 
 
 # The HF key of each layout field, for messages about the layout.
@@ -303,6 +304,13 @@ def weight_shapes(config, has_head):
     total = sum(C.checked_elements(s) * 4 for s in shapes.values())
     if total > C.MAX_WEIGHT_BYTES:
         raise ValueError("FP32 source weights exceed the 64 GiB safety limit")
+    # The config admits GDN widths (gdn_num_v_heads * gdn_value_dim up to 2^24,
+    # heads * gdn_key_dim up to 2^21) beyond what a Matrix holds; refuse them
+    # here, by tensor, before any weight is read or packed.
+    for name, shape in shapes.items():
+        if len(shape) == 2 and (shape[0] > MAX_ROWS or shape[1] > MAX_COLS):
+            raise ValueError(f"{name} would be a {shape[0]}x{shape[1]} matrix; a Matrix holds at most "
+                             f"{MAX_ROWS} rows and {MAX_COLS} columns")
     return shapes
 
 

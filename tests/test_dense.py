@@ -581,3 +581,78 @@ def test_non_finite_logits_cancel_the_session(where):
     assert s.finish_reason == "cancelled"
     with pytest.raises(RuntimeError, match="non-finite logits"):
         m.create_batch_session([[1, 2], [3, 4, 5]], 3).next_tokens(3)
+
+
+def _printf_a(value):
+    """C's printf("%a") of a double, through libc: the oracle for std::hexfloat."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    buf = ctypes.create_string_buffer(64)
+    libc.snprintf(buf, 64, b"%a", ctypes.c_double(value))
+    return buf.value.decode()
+
+
+def test_hexfloat_writes_what_c_printf_a_writes():
+    """compile_canonical writes floats as the spec's std::hexfloat (C's %a):
+    "0x1.388p+13", not float.hex()'s "0x1.3880000000000p+13"."""
+    import struct
+    from cism._config import hexfloat
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 1 << 64, 2000, dtype=np.uint64)
+    values = [struct.unpack("<d", struct.pack("<Q", int(b)))[0] for b in bits]
+    values += [float(np.float32(v)) for v in rng.standard_normal(500) * 10.0 ** rng.integers(-40, 39, 500)]
+    values += [0.0, -0.0, 1.0, -1.0, 0.5, 10000.0, 1e-5, 1e-6, 5e-324, -5e-324, 2.2250738585072014e-308,
+               2.225073858507201e-308, 1e-310, 1.7976931348623157e308, float(np.float32(1e-45)),
+               float("inf"), float("-inf"), float("nan"),
+               struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000000))[0]]   # -nan
+    for v in values:
+        assert hexfloat(v) == _printf_a(v), v
+    assert hexfloat(10000.0) == "0x1.388p+13"
+
+
+def test_compile_canonical_is_the_spec_hexfloat_text():
+    m = small_model("llama")
+    assert m.compile_canonical == ("llama|64|96|2|4|2|16|97|512|" + _printf_a(float(np.float32(1e-6)))
+                                   + "|0x1.388p+13|0")
+
+
+def _one_token_overflows_attention(config):
+    """Weights under which token 5's own attention score overflows to +inf in
+    layer 0 (its q and k are 8e19 in every element; every other token's
+    embedding is zero in channel 0, so its q and k are zero)."""
+    w = dense_weights(config, seed=3)
+    w["model.embed_tokens.weight"][:, 0] = 0
+    w["model.embed_tokens.weight"][5] = 0
+    w["model.embed_tokens.weight"][5, 0] = 1
+    w["model.layers.0.input_layernorm.weight"][:] = 1
+    for name in ("q_proj", "k_proj"):
+        m = w[f"model.layers.0.self_attn.{name}.weight"]
+        m[:] = 0
+        m[:, 0] = 1e19
+    return w
+
+
+def test_non_finite_attention_score_is_refused_where_no_logits_show_it():
+    """The spec's check: every attention score of every token, so a prompt
+    whose bad token is out of the last token's sliding window (its logits
+    are finite) still fails, with the spec's message."""
+    config = small_config("mistral", sliding_window=4)
+    m = Model(config, _one_token_overflows_attention(config), "fp32", threads=1)
+    prompt = [1, 5] + [2, 3, 4] * 13
+    ok = Model(config, _one_token_overflows_attention(config), "fp32", threads=1)
+    assert np.isfinite(ok.logits([1, 2, 3])).all()
+    with pytest.raises(RuntimeError, match="^non-finite attention score during"):
+        m.logits(prompt)
+    s = m.create_session(prompt, 4)
+    with pytest.raises(RuntimeError, match="non-finite attention score"):
+        s.next_tokens(4)
+    assert s.finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="non-finite attention score"):
+        m.create_paged_session(prompt, 4).next_tokens(4)
+
+
+def test_draft_k_is_capped_at_16_with_a_message():
+    s = small_model("llama").create_session([1, 2, 3, 1, 2, 3, 1, 2], 4)
+    assert len(s.draft(16)) <= 16
+    with pytest.raises(ValueError, match=r"k must be at most 16 \(the most candidates verify takes\), got 17"):
+        s.draft(17)

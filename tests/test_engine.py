@@ -497,6 +497,24 @@ def test_non_finite_logits_fail_only_their_request():
         assert_matches_solo(m, good)
 
 
+def test_non_finite_attention_score_fails_the_step():
+    """A step whose forward meets a non-finite attention score stops there
+    (no row holds logits), so its requests fail with the spec's message, even
+    when the bad token is out of the logits rows' sliding window."""
+    from cism.dense import Model
+    from models import small_config
+    from test_dense import _one_token_overflows_attention
+    config = small_config("mistral", sliding_window=4)
+    m = Model(config, _one_token_overflows_attention(config), "fp32", threads=1)
+    with Engine(m, kv_blocks=16, start=False) as eng:
+        bad = eng.submit([1, 5] + [2, 3, 4] * 13, 4)
+        run(eng)
+        assert bad.finish_reason == "error" and str(bad.error) == "non-finite attention score"
+        good = eng.submit([1, 2, 3], 4)
+        run(eng)
+        assert good.finish_reason == "length"
+
+
 def test_zero_new_tokens_finish_at_once():
     m = model_of("dense")
     with Engine(m, kv_blocks=8, start=False) as eng:

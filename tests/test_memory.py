@@ -34,7 +34,7 @@ print(json.dumps(out))
 SCRIPT = r"""
 import json, resource, sys
 import cism
-import cism.dense, cism.fwkv, cism.surjo, cism.tokenizer  # imports need memory too: not under the cap
+import cism.dense, cism.fwkv, cism.surjo, cism.tokenizers  # imports need memory too: not under the cap
 
 path, headroom_mb, precision = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 
@@ -104,7 +104,7 @@ def test_out_of_memory_messages_name_each_stage():
 CAPPED_SCRIPT = r"""
 import json, resource, sys
 import cism
-import cism.dense, cism.tokenizer  # imports need memory too: not under the cap
+import cism.dense, cism.tokenizers  # imports need memory too: not under the cap
 
 path, precision, weight_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 # VmHWM, this process's own peak RSS: ru_maxrss would also count the parent's

@@ -634,3 +634,60 @@ def test_threads_driving_paged_sessions():
     for t in threads:
         t.join()
     assert got == want
+
+
+def _strtoll(text):
+    """libc's strtoll(text, &end, 10) as std::stoll uses it: the value, or
+    None where std::stoll throws (no digits: invalid_argument; ERANGE:
+    out_of_range). The oracle for cism._config.stoll."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.strtoll.restype = ctypes.c_longlong
+    libc.strtoll.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
+    raw = ctypes.create_string_buffer(text.encode("utf-8"))
+    end = ctypes.c_char_p()
+    ctypes.set_errno(0)
+    value = libc.strtoll(raw, ctypes.byref(end), 10)
+    consumed = ctypes.cast(end, ctypes.c_void_p).value - ctypes.addressof(raw)
+    if consumed == 0 or ctypes.get_errno() != 0:
+        return None
+    return value
+
+
+def test_stoll_reads_as_libc_strtoll():
+    from cism._config import stoll
+    rng = np.random.default_rng(11)
+    alphabet = list(" \t\n\v\f\r+-0123456789ax_.") + ["\u00a0", "\u0662"]
+    cases = ["", " ", "7", "+7", "-7", " \t\n12abc", "12 ", "0x10", "1_000", "1e3", "+-1", "- 1", "abc",
+             "9223372036854775807", "9223372036854775808", "-9223372036854775808",
+             "-9223372036854775809", "99999999999999999999", "000012", "\u00a012", "\u0662"]
+    cases += ["".join(rng.choice(alphabet, rng.integers(0, 12))) for _ in range(3000)]
+    for text in cases:
+        want = _strtoll(text)
+        if want is None:
+            with pytest.raises(ValueError, match="^stoll$"):
+                stoll(text)
+        else:
+            assert stoll(text) == want, repr(text)
+
+
+def test_env_cap_is_read_as_std_stoll():
+    """CISM_PAGED_MAX_BLOCKS as the spec reads it: std::stoll's leading digits
+    ("12abc" is 12, " +9" is 9); no digits or a value beyond long long leaves
+    the default 256 (the spec catches stoll's exceptions), as does a value <= 0."""
+    code = ("import sys; sys.path.insert(0, %r); from models import small_model; "
+            "m = small_model(); print(m.paged_pool_max_blocks())" % os.path.dirname(__file__))
+    for env, want in (("12abc", "12"), (" +9", "9"), ("\t5 blocks", "5"), ("-3", "256"), ("abc", "256"),
+                      ("99999999999999999999", "256"), ("3000000", str(1 << 20))):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CISM_PAGED_MAX_BLOCKS": env},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == want, env
+
+
+def test_block_pool_total_is_num_blocks():
+    pool = BlockPool(5, 2, 8)
+    assert pool.total() == 5 == pool.usage()[2]
+    pool.allocate(1, 40)
+    assert pool.total() == 5
+    pool.grow(3)
+    assert pool.total() == 8 == pool.num_blocks

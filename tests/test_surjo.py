@@ -507,6 +507,10 @@ def test_neural_draft_leaves_the_state_untouched():
     assert len(drafted) == 16 and drafted[0] == want[0]
     assert np.array_equal(s.last_logits, before) and s.position == len(prompt)
     assert s.neural_draft(1) == [] and s.neural_draft(0) == []
+    # k is capped at 16, the most candidates verify takes, and said so
+    for draft in (s.neural_draft, s.draft):
+        with pytest.raises(ValueError, match=r"k must be at most 16 \(the most candidates verify takes\), got 17"):
+            draft(17)
     assert s.next_tokens(3) == want[:3]
     # verifying the drafter's guesses emits exactly the greedy tokens
     out = s.verify(s.neural_draft(8))
@@ -642,6 +646,26 @@ def test_config_validation_messages():
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             Config(**{**ok, **change})
+
+
+def test_gdn_widths_beyond_a_matrix_are_refused_by_tensor():
+    """The config admits gdn_num_v_heads * gdn_value_dim up to 2^24 (and heads *
+    gdn_key_dim up to 2^21); a Matrix holds at most 262144 columns and
+    2000000 rows, so such a model is refused before any weight is read, by
+    the first tensor that could not be packed."""
+    c = Config(**{**CASES["gqa-p2-k4"], "hidden": 8, "heads": 2, "kv_heads": 2, "head_dim": 4,
+                  "gdn_v_heads": 4096, "gdn_v_dim": 128, "context": 64})
+    assert c.value_total == 524288
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.linear_attn\.o_proj\.weight would be a "
+                                         r"8x524288 matrix; a Matrix holds at most 2000000 rows and 262144"):
+        weight_shapes(c, True)
+    c = Config(**{**CASES["gqa-p2-k4"], "hidden": 8, "heads": 512, "kv_heads": 512, "head_dim": 2,
+                  "gdn_v_heads": 512, "gdn_v_dim": 1, "gdn_k_dim": 4096, "context": 64,
+                  "tied": True})
+    with pytest.raises(ValueError, match=r"linear_attn\.q_proj\.weight would be a 2097152x8 matrix"):
+        weight_shapes(c, True)
+    with pytest.raises(ValueError, match=r"linear_attn\.q_proj\.weight would be a 2097152x8 matrix"):
+        Model(c, {}, "fp32")
 
 
 def test_from_hf_mapping_and_refusals():

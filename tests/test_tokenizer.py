@@ -14,7 +14,7 @@ import unicodedata
 
 import pytest
 
-from cism.tokenizer import StreamDecoder, Tokenizer
+from cism.tokenizers import StreamDecoder, Tokenizer
 
 
 # hypothesis, and regex (which only the pure Python byte-level BPE needs), are
@@ -624,7 +624,7 @@ def test_smollm2_chat_template(smollm2_py):
 # ---------------------------------------------------------------------------
 def run_c_encode(path, text, bos=True):
     """A literal transcription of llama2.c run.c encode(), the oracle: O(n^2)
-    and written independently of cism/_tok_spm.py."""
+    and written independently of cism/tokenizers/spm.py."""
     data = path.read_bytes()
     off = 4
     vocab, scores = [], []
@@ -721,6 +721,35 @@ def test_from_pretrained_dispatch(tok_dir, stories_dir, tmp_path, small_tokenize
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+def test_from_pretrained_reads_a_version_1_llama2c_header(tmp_path, stories_dir):
+    """The tokenizer finds a model's vocab_size with the loaders' llama2.c header
+    reader, so the "ak42" version 1 header works too (the tokenizer's own
+    parser read any .bin as version 0: vocab_size came out as n_kv_heads)."""
+    header = struct.pack("<Ii7iB", 0x616B3432, 1, 64, 172, 5, 8, 4, 512, 512, 1)
+    (tmp_path / "model.bin").write_bytes(header.ljust(256, b"\0"))
+    shutil.copy(stories_dir / "tok512.bin", tmp_path / "tok512.bin")
+    tok = Tokenizer.from_pretrained(tmp_path / "model.bin")
+    assert tok.vocab_size == 512 and tok.encode("Once")[:2] == [1, 403]
+
+
+def test_gguf_tokens_go_through_the_loaders_reader(tmp_path):
+    """One GGUF metadata reader: the tokenizer's is the loader's, and a token
+    whose bytes are not UTF-8 is refused by name."""
+    import cism.loaders.gguf_file
+    import cism.tokenizers.gguf
+    assert cism.tokenizers.gguf.read_gguf_metadata is cism.loaders.gguf_file.read_gguf_metadata
+
+    def gstr(s):
+        return struct.pack("<Q", len(s)) + s
+
+    p = tmp_path / "bad-utf8.gguf"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+                  + gstr(b"tokenizer.ggml.model") + struct.pack("<I", 8) + gstr(b"llama")
+                  + gstr(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3)
+                  + gstr(b"a") + gstr(b"b") + gstr(b"\xff\xfe"))
+    _raises_naming(p, lambda: Tokenizer.from_gguf(p), r"tokenizer\.ggml\.tokens\[2\] is not valid UTF-8")
 
 
 def test_from_pretrained_errors(tmp_path, stories_dir):
@@ -994,7 +1023,7 @@ def test_bad_backend(tok_dir):
 def test_optional_dependencies(monkeypatch, tok_dir, stories_dir):
     """SentencePiece GGUF and llama2.c need no optional package; the others
     fail with an ImportError that names the extra to install."""
-    from cism import _tok_deps
+    from cism.tokenizers import deps as _tok_deps
 
     for name in ("regex", "tokenizers", "jinja2", "gguf"):
         monkeypatch.setitem(__import__("sys").modules, name, None)

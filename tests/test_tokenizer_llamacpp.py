@@ -10,7 +10,7 @@ tokenizer.json; Qwen's own tokenizer.json from shared/data.
 """
 import pytest
 
-from cism.tokenizer import Tokenizer
+from cism.tokenizers import Tokenizer
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -158,7 +158,8 @@ class _Header:
         if least is None:
             self.fail(f"{what} is an array of unknown type {etype}")
         if count * least > self.size - self.pos:
-            self.fail(f"{what} claims {count} elements, more than the rest of the file can hold")
+            self.fail(f"truncated or corrupt: {what} claims {count} elements, more than the rest "
+                      "of the file can hold")
         if etype in _SCALARS:
             nbytes = count * least
             self.need(nbytes, what)
@@ -175,8 +176,10 @@ class _Header:
         return values if decode else ArrayInfo(etype, count)
 
 
-def _parse(path, decode_arrays=False):
-    """(metadata dict, [TensorInfo], file size) of a GGUF file, all checked."""
+def _parse(path, decode_arrays=False, tensors=True):
+    """(metadata dict, [TensorInfo], file size) of a GGUF file, all checked.
+    With ``tensors=False`` the tensor list is neither read nor checked (the
+    tokenizer needs only the metadata) and comes back empty."""
     size = file_size(path)
     with open_file(path) as f:
         h = _Header(f, path, size)
@@ -195,7 +198,7 @@ def _parse(path, decode_arrays=False):
         # Smallest possible metadata entry: 8 (key length) + 4 (type) + 1 byte;
         # smallest tensor entry: 8 + 4 + 8 + 4 + 8.
         if n_kv * 13 + n_tensors * 32 > size - h.pos:
-            h.fail(f"header claims {n_kv} metadata entries and {n_tensors} tensors, "
+            h.fail(f"truncated or corrupt: header claims {n_kv} metadata entries and {n_tensors} tensors, "
                    f"more than the {size}-byte file can hold")
 
         meta = {}
@@ -206,6 +209,8 @@ def _parse(path, decode_arrays=False):
             if key in meta:
                 h.fail(f"metadata key {key!r} appears twice")
             meta[key] = value
+        if not tensors:
+            return meta, [], size
 
         raw_infos = []
         seen = set()
@@ -263,9 +268,10 @@ def read_gguf_metadata(path, arrays=True):
 
     Numeric arrays become numpy arrays, string arrays lists of str (bytes that
     are not UTF-8 decoded with surrogateescape). With ``arrays=False`` arrays are
-    left as ArrayInfo (type and length only), which is much faster.
+    left as ArrayInfo (type and length only), which is much faster. The
+    tensor list after the metadata is not read.
     """
-    return _parse(os.fspath(path), decode_arrays=arrays)[0]
+    return _parse(os.fspath(path), decode_arrays=arrays, tensors=False)[0]
 
 
 # --- metadata -> HF config -------------------------------------------------------

@@ -79,6 +79,14 @@ def _header(path, size):
     return version, p, tied, offset
 
 
+def read_header(path):
+    """The checked header fields of a llama2.c model (dim ... seq_len; vocab_size
+    positive), without reading the weights: the tokenizer uses it to pick the
+    tokenizer.bin that matches a model."""
+    path = os.fspath(path)
+    return _header(path, file_size(path))[1]
+
+
 def _layout(version, p, tied):
     """[(key, shape)] in file order."""
     dim, hidden, layers = p["dim"], p["hidden_dim"], p["n_layers"]

@@ -10,7 +10,7 @@ import struct
 from _harness import Workdir, exercise_tokenizer, expect_value_error, instrumented, main
 
 with instrumented():
-    from cism.tokenizer import Tokenizer
+    from cism.tokenizers import Tokenizer
 
 work = Workdir("tok_gguf")
 

@@ -11,7 +11,7 @@ from _harness import (Workdir, exercise_tokenizer, expect_value_error, instrumen
                       pack_files, unpack_files)
 
 with instrumented():
-    from cism.tokenizer import Tokenizer
+    from cism.tokenizers import Tokenizer
 
 SLOTS = ["encoder.json", "vocab.bpe", "tokenizer_config.json"]
 work = Workdir("tok_gpt2")

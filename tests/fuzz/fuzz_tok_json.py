@@ -10,7 +10,7 @@ from _harness import (Workdir, exercise_tokenizer, expect_value_error, instrumen
                       pack_files, unpack_files)
 
 with instrumented():
-    from cism.tokenizer import Tokenizer
+    from cism.tokenizers import Tokenizer
 
 SLOTS = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 work = Workdir("tok_json")

@@ -8,7 +8,7 @@ import struct
 from _harness import Workdir, exercise_tokenizer, expect_value_error, instrumented, main
 
 with instrumented():
-    from cism.tokenizer import Tokenizer
+    from cism.tokenizers import Tokenizer
 
 work = Workdir("tok_llama2c")
 

@@ -6,7 +6,7 @@ block (a no-op here; HF uses it to mark assistant tokens)."""
 import json
 from datetime import datetime
 
-from cism._tok_deps import need_jinja2
+from cism.tokenizers.deps import need_jinja2
 
 _ENV = None
 

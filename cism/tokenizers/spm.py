@@ -14,6 +14,15 @@ import math
 import re
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # a byte-fallback token
+
+
+def piece_bytes(text, byte_fallback=True):
+    """Bytes of a SentencePiece token string: "<0xXX>" is that byte, "▁" a space."""
+    m = BYTE_TOKEN.fullmatch(text) if byte_fallback else None
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return text.replace(SPACE_MARK, " ").encode("utf-8")
 
 # Both algorithms merge over the whole text at once: SentencePiece has no
 # pre-tokenizer. A merge only ever produces a vocabulary token, so where no

@@ -5,11 +5,11 @@ map, and two encoders that must give identical ids:
 - `HFBPE`: the same vocabulary and merges run by HF `tokenizers` (much faster).
 
 Both encode one text fragment that holds no special tokens; special-token
-splitting and BOS handling live in cism/tokenizer.py.
+splitting and BOS handling live in cism/tokenizers/core.py.
 """
 import heapq
 
-from cism._tok_deps import need_regex
+from cism.tokenizers.deps import need_regex, need_tokenizers
 
 # ---------------------------------------------------------------------------
 # Pre-tokenizers, as llama.cpp's llm_tokenizer_bpe applies them: each regex of
@@ -238,3 +238,22 @@ class HFBPE:
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def check_backend(backend):
+    if backend not in ("python", "hf"):
+        raise ValueError(f"backend must be 'python' or 'hf', got {backend!r}")
+
+
+def make_bpe(vocab, merges, pre, backend, source):
+    # Python is the default: with its word cache it encodes as fast as HF
+    # tokenizers on this code's workloads (measured on 2 cores: 3 KB 9 ms vs
+    # 8 ms cold; 1.1 MB 0.9-1.5 s vs 1.9-2.0 s) and loads faster, and it is
+    # llama.cpp's algorithm by construction. HF is there for comparison.
+    if backend == "hf":
+        need_tokenizers()
+        try:
+            return HFBPE(vocab, merges, pre)
+        except Exception as e:  # e.g. a merge of tokens missing from the vocabulary
+            raise ValueError(f"{source}: HF tokenizers refuses this vocabulary: {e}") from None
+    return PyBPE(vocab, merges, pre)
