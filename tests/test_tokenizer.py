@@ -911,7 +911,7 @@ def test_malformed_tokenizer_config(tmp_path, small_tokenizer_json):
 def test_missing_files(tmp_path):
     missing = tmp_path / "nope.json"
     _raises_naming(missing, lambda: Tokenizer.from_gpt2_files(missing, missing), "not found")
-    _raises_naming(missing, lambda: Tokenizer.from_gguf(missing), "cannot read GGUF file: No such file")
+    _raises_naming(missing, lambda: Tokenizer.from_gguf(missing), "cannot open: No such file")
     _raises_naming(missing, lambda: Tokenizer.from_llama2c(missing), "not found")
 
 
