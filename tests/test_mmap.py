@@ -216,3 +216,66 @@ def test_a_file_replaced_by_rename_keeps_the_mapped_weights(tmp_path):
     other = qwen3_gguf(tmp_path / "n.gguf", Q.F16)
     os.replace(other, path)
     assert same_bits(m.logits(PROMPT), before)
+
+
+def _poisoned(codes_bytes, shift):
+    """codes_bytes placed `shift` bytes into a buffer whose following
+    CISM_SLACK bytes are all 0xff (NaN as fp32 and fp16, inf scales as
+    K-quants): the worst bytes a mapped tensor's slack can hold."""
+    n = len(codes_bytes)
+    buf = np.full(n + shift + 128 + 64, 0xFF, np.uint8)
+    base = (-buf.ctypes.data) % 64 + shift
+    buf[base:base + n] = codes_bytes
+    return buf[base:base + n]
+
+
+@pytest.mark.parametrize("storage, cols, shift", [("fp32", 77, 4), ("fp32", 64, 36), ("fp16", 77, 2),
+                                                  ("fp16", 130, 34), ("q4_k", 512, 2), ("q6_k", 256, 18)])
+def test_mapped_matrix_ignores_its_slack_on_every_isa(storage, cols, shift, isa_level):
+    """Every kernel variant the host runs: a matrix over a view that is
+    only element-aligned and followed by NaN/inf bytes (instead of cism's
+    64-byte aligned buffer followed by zeros) gives the copy's bits, for
+    one token and several, fp32 and int8 activations."""
+    from conftest import runnable_isas
+    from cism.matrix import Matrix
+    rng = np.random.default_rng(cols + shift)
+    rows = 37
+    if storage in ("q4_k", "q6_k"):
+        ck = load_checkpoint(Q4_K_M, lazy=True)
+        t = next(t for t in ck.weights.values()
+                 if t.type_name == storage.upper() and len(t.shape) == 2 and t.heads is None)
+        rows, cols = t.shape
+        raw = np.ascontiguousarray(t.raw())
+        copied = Matrix.from_ggml(storage.upper(), raw, rows, cols)
+        raw = raw.reshape(-1)
+    else:
+        copied = Matrix(rng.standard_normal((rows, cols)).astype(np.float32), storage)
+        raw = np.ascontiguousarray(copied.codes).view(np.uint8).reshape(-1)
+    view = _poisoned(raw, shift)
+    assert view.ctypes.data % 64 == shift
+    mapped = Matrix._mapped(storage, view, rows, cols)
+    assert mapped.mapped and not copied.mapped
+    for isa in runnable_isas():
+        isa_level(isa)
+        for act in ("fp32", "int8"):
+            mapped.act_precision = copied.act_precision = act
+            for T in (1, 3, 17):
+                x = rng.standard_normal((T, cols)).astype(np.float32)
+                assert same_bits(mapped.gemm(x, threads=2), copied.gemm(x, threads=2)), (isa, act, T)
+        assert same_bits(mapped.row(rows - 1), copied.row(rows - 1)), isa
+
+
+def test_mapped_matrix_checks_what_it_is_given():
+    from cism.matrix import Matrix
+    w = np.ones((4, 8), np.float32)
+    raw = w.view(np.uint8).reshape(-1)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        Matrix._mapped("fp32", _poisoned(raw, 2), 4, 8)
+    with pytest.raises(ValueError, match="not a file encoding"):
+        Matrix._mapped("int8", raw, 4, 8)
+    with pytest.raises(ValueError, match="uint8 array of 512 bytes"):
+        Matrix._mapped("fp32", raw, 4, 32)
+    bad = w.copy()
+    bad[2, 3] = np.inf
+    with pytest.raises(ValueError, match="finite"):
+        Matrix._mapped("fp32", bad.view(np.uint8).reshape(-1), 4, 8)
