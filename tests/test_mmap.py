@@ -121,11 +121,11 @@ def test_memory_controls_work_on_mapped_weights(tmp_path):
     assert not mat.codes.flags.writeable
 
 
-def _smaps(path):
-    """[(Rss, Shared_Clean, Private_Clean, Private_Dirty, Anonymous) kB] of each mapping of path."""
+def _smaps(path, pid="self"):
+    """[{field: kB}] of each mapping of path in /proc/<pid>/smaps."""
     out, cur = [], None
     real = os.path.realpath(path)
-    with open("/proc/self/smaps") as f:
+    with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             parts = line.split()
             if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
@@ -154,6 +154,41 @@ def test_two_mapped_loads_share_the_page_cache(tmp_path):
         assert m["Private_Dirty"] == 0 and m["Private_Clean"] == 0 and m.get("Anonymous", 0) == 0, m
         assert m["Shared_Clean"] + m["Shared_Dirty"] >= 0.9 * mapped_kb, (m, mapped_kb)
         assert m["Pss"] <= 0.55 * m["Rss"], m
+
+
+HOLD_SCRIPT = r"""
+import sys
+from cism.dense import Model
+m = Model.from_pretrained(sys.argv[1], precision="fp32", threads=1)
+m.logits([1, 2, 3])
+print(m.mapped_bytes, flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_two_processes_share_the_mapped_weights(tmp_path):
+    """Two processes holding the same mapped model: in each, the file's
+    mapping is resident, shared (Pss about half its Rss: one page-cache copy
+    for both) and holds no private or anonymous pages."""
+    path = qwen3_gguf(tmp_path / "m.gguf", Q.F32, layers=4)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD_SCRIPT, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        mapped_kb = [int(p.stdout.readline()) // 1024 for p in procs][0]
+        assert mapped_kb > 0
+        for p in procs:
+            maps = _smaps(path, p.pid)
+            assert len(maps) == 1, maps
+            m = maps[0]
+            assert m["Private_Dirty"] == 0 and m["Private_Clean"] == 0 and m.get("Anonymous", 0) == 0, m
+            assert m["Rss"] >= 0.9 * mapped_kb and m["Pss"] <= 0.55 * m["Rss"], (m, mapped_kb)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+    assert [p.returncode for p in procs] == [0, 0]
 
 
 CHANGE_SCRIPT = r"""
