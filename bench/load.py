@@ -25,10 +25,17 @@ auto and the lower precisions where they differ). Reported per run:
   peak reached by the end of the load, less the RSS after its imports
   ("load peak - base"), against the packed weights (the issue's goal:
   <= 1.25x);
-- decode tok/s of the 16 tokens (cism: one session; llama.cpp: tg16).
+- decode tok/s of the 16 tokens (cism: one session; llama.cpp: tg16);
+- cism's mapped MiB (weights multiplied where the file is mapped, shared
+  page cache: from_pretrained's mmap, on by default) and private MiB (the
+  process's anonymous resident memory after the decode, RssAnon: what a
+  second replica of the model adds; the mapped pages are in RssFile).
+  Where a precision maps tensors (F32 at fp32, F16 at fp16, Q4_K_M at auto)
+  the copy (mmap=False) is run too, as "<precision> copy", unless
+  --mmap on.
 
     python bench/load.py [--sets smollm2 qwen3-0.6b llama-3.2-3b] [--threads 2]
-                         [--cache ~/.cache/cism-bench-load] [--json]
+                         [--cache ~/.cache/cism-bench-load] [--mmap both|on|off] [--json]
 
 llama.cpp's tools: $LLAMA_CPP_BIN, ~/.cache/llamacpp/build/bin or PATH
 (bench_common.llamacpp_tool; ../shared/NOTES.md says how to build them).
@@ -58,12 +65,13 @@ SETS = {"smollm2": ["Q4_1", "F32", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
 CISM_CHILD = r"""
 import json, sys, time
 import cism, cism.dense, cism.tokenizers
-path, precision, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+path, precision, threads, mmap = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 # VmHWM: this process's own peak RSS (ru_maxrss would count its parent's too)
-rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
+status = lambda key: int([l for l in open("/proc/self/status") if l.startswith(key + ":")][0].split()[1]) * 1024
+rss = lambda: status("VmHWM")
 base = rss()
 t = time.perf_counter()
-model = cism.load(path, precision=precision, threads=threads)
+model = cism.load(path, precision=precision, threads=threads, mmap=mmap)
 load_s = time.perf_counter() - t
 load_peak = rss()
 session = model.create_session([1, 2, 3], 16)
@@ -71,7 +79,8 @@ t = time.perf_counter()
 session.next_tokens(16)
 decode = 16 / (time.perf_counter() - t)
 print(json.dumps({"weight_bytes": model.weight_bytes, "load_s": load_s, "base_rss": base,
-                  "load_peak_rss": load_peak, "decode_tok_s": decode}))
+                  "load_peak_rss": load_peak, "decode_tok_s": decode, "mapped_bytes": model.mapped_bytes,
+                  "rss_anon": status("RssAnon"), "rss_file": status("RssFile")}))
 """
 
 
@@ -182,27 +191,35 @@ def measure_llamacpp(path, threads):
             "wall_s": wall, "peak_rss": peak, "decode_tok_s": tests[0]["avg_ts"]}
 
 
-def measure_cism(path, precision, threads):
+# (file type, precision) pairs where tensors map: their storage is the file's encoding
+MAPS = {("F32", "fp32"), ("F16", "fp16"), ("Q4_K_M", "auto")}
+
+
+def measure_cism(path, precision, threads, mmap=True):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out, wall, peak = run([sys.executable, "-c", CISM_CHILD, path, precision, str(threads)], env)
+    out, wall, peak = run([sys.executable, "-c", CISM_CHILD, path, precision, str(threads), str(int(mmap))], env)
     r = json.loads(out.strip().splitlines()[-1])
-    return {"engine": "cism", "precision": precision, "weight_bytes": r["weight_bytes"], "load_s": r["load_s"],
+    return {"engine": "cism", "precision": precision if mmap else precision + " copy",
+            "weight_bytes": r["weight_bytes"], "load_s": r["load_s"],
             "wall_s": wall, "peak_rss": peak, "base_rss": r["base_rss"],
             "load_ratio": (r["load_peak_rss"] - r["base_rss"]) / r["weight_bytes"],
-            "decode_tok_s": r["decode_tok_s"]}
+            "decode_tok_s": r["decode_tok_s"], "mapped_bytes": r["mapped_bytes"], "private": r["rss_anon"]}
 
 
 def format_rows(rows):
     mb = 2 ** 20
     lines = [f"| {'file':26} | {'engine':9} | {'precision':11} | {'weights MiB':>11} | {'load s':>6} | "
-             f"{'wall s':>6} | {'peak RSS MiB':>12} | {'load peak - base':>16} | {'decode tok/s':>12} |",
-             "|" + "|".join("-" * (n + 2) for n in (26, 9, 11, 11, 6, 6, 12, 16, 12)) + "|"]
+             f"{'wall s':>6} | {'peak RSS MiB':>12} | {'load peak - base':>16} | {'decode tok/s':>12} | "
+             f"{'mapped MiB':>10} | {'private MiB':>11} |",
+             "|" + "|".join("-" * (n + 2) for n in (26, 9, 11, 11, 6, 6, 12, 16, 12, 10, 11)) + "|"]
     for r in rows:
         load = f"{r['load_s']:.2f}" if r["load_s"] is not None else "-"
         ratio = f"{r['load_ratio']:.2f}x weights" if "load_ratio" in r else "-"
         lines.append(f"| {r['file']:26} | {r['engine']:9} | {r['precision']:11} | {r['weight_bytes'] / mb:11,.0f} | "
                      f"{load:>6} | {r['wall_s']:6.1f} | {r['peak_rss'] / mb:12,.0f} | {ratio:>16} | "
-                     f"{r['decode_tok_s']:12.1f} |")
+                     f"{r['decode_tok_s']:12.1f} | "
+                     + (f"{r['mapped_bytes'] / mb:10,.0f} | {r['private'] / mb:11,.0f} |" if "private" in r
+                        else f"{'-':>10} | {'-':>11} |"))
     return "\n".join(lines)
 
 
@@ -211,19 +228,30 @@ def main(argv=None):
     ap.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "cism-bench-load"))
+    ap.add_argument("--mmap", choices=["both", "on", "off"], default="both",
+                    help="cism's loads mapped (on), copied (off), or both where tensors map")
+    ap.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run llama-bench on every file")
+    ap.add_argument("--types", nargs="+", help="only these file types of each set (e.g. F16 Q4_K_M)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not os.access(TIME, os.X_OK):
         sys.exit(f"{TIME} not found (apt-get install time)")
-    for tool in ("llama-bench", "llama-quantize"):
+    for tool in ("llama-bench", "llama-quantize") if args.llamacpp else ():
         if llamacpp_tool(tool) is None:
             sys.exit(f"{tool} not found (set LLAMA_CPP_BIN; see ../shared/NOTES.md)")
     rows = []
     for name in args.sets:
         for qtype, path in make_files(name, args.cache, args.threads).items():
+            if args.types and qtype not in args.types:
+                continue
             label = f"{name} {qtype}"
-            found = [measure_llamacpp(path, args.threads)]
-            found += [measure_cism(path, p, args.threads) for p in PRECISIONS[qtype]]
+            found = [measure_llamacpp(path, args.threads)] if args.llamacpp else []
+            for p in PRECISIONS[qtype]:
+                if args.mmap != "off":
+                    found.append(measure_cism(path, p, args.threads, mmap=True))
+                if args.mmap == "off" or (args.mmap == "both" and (qtype, p) in MAPS):
+                    found.append(measure_cism(path, p, args.threads, mmap=False))
             for r in found:
                 r["file"] = label
                 rows.append(r)

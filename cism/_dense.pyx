@@ -300,6 +300,9 @@ cdef class DenseModel(WeightStore):
         return self.kv_reserved
 
     cdef object reserve_kv(self, size_t nbytes, what):
+        # every session, batch and paged pool starts here: a mapped file
+        # that changed is an error now, before a kernel reads its pages
+        self.check_mapped()
         # checked before anything is allocated; the GIL serialises the counter
         if self.kv_budget_ is not None and self.kv_reserved + nbytes > self.kv_budget_:
             raise ValueError(f"KV budget exceeded: {what} needs {nbytes} bytes of KV cache and "
@@ -1084,6 +1087,7 @@ cdef class PagedSession(DecodeSession):
             prefix, p = _fork["prefix"], _fork["suffix"]
         if not is_int(priority) or not -2**31 <= priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
+        model.check_mapped()    # (the pool reserved its KV once, before this session)
         self.model = model
         self.m = &model.c
         self.setup(p, len(prefix), model.c.vocab, model.c.context, max_new_tokens, temperature,

@@ -20,6 +20,8 @@ cdef class WeightStore:
     cdef object lock_         # guards page locking (and, in subclasses, shared state)
     cdef uint64_t sink_
     cdef int scan_threads     # threads scan() uses
+    cdef list mapped_files_   # the mapping.FileMaps that mapped matrices point into
+    cdef dict map_notes_      # HF name -> None (mapped from its file) or why it was copied (mmap=True loads)
     cdef object add_matrix(self, name, values, storage, int threads)
     cdef object add_any_matrix(self, name, value, storage, int threads)
     cdef object add_vector(self, name, values)
@@ -28,3 +30,5 @@ cdef class WeightStore:
     # copy act_q8_ into the family's C model struct (called by set_act_precision)
     cdef void apply_act_precision(self)
     cdef object update_key(self)
+    # CheckpointError when a mapped file changed since the load (each forward call's first step)
+    cdef object check_mapped(self)

@@ -197,6 +197,8 @@ cdef class WeightStore:
         self.prefill_precision_ = "exact"
         self.kv_precision_ = "fp32"
         self.storages_ = {}
+        self.mapped_files_ = []
+        self.map_notes_ = {}
 
     cdef void apply_act_precision(self):
         pass
@@ -273,6 +275,10 @@ cdef class WeightStore:
         if not is_lazy(value):
             return self.add_matrix(name, value, storage, threads)
         rows, cols = value.shape
+        if value.mapping is not None:
+            m = self.map_matrix(name, value, storage, threads)
+            if m is not None:
+                return m
         with memory_for(value.path, f"packing tensor {value.name!r} ({rows}x{cols} as {storage}; "
                                     f"{self.weight_bytes_} bytes packed so far)"):
             m = Matrix.empty(rows, cols, storage)
@@ -297,6 +303,58 @@ cdef class WeightStore:
         self.matrices[name] = m
         self.weight_bytes_ += m.nbytes
         return m
+
+    def map_matrix(self, name, value, storage, int threads):
+        """The lazy tensor ``value`` multiplied where its file is mapped
+        (Matrix._mapped), or None when it must be copied (the reason is
+        kept for mapping_report): cism/loaders/mapping.py says when a
+        tensor maps."""
+        cdef Matrix m
+        view, why = value.mapping.view(value, storage)
+        if view is None:
+            self.map_notes_[name] = why
+            return None
+        rows, cols = value.shape
+        try:
+            m = Matrix._mapped(storage, view, rows, cols, threads)
+        except ValueError as e:   # a non-finite weight: the copy reports it as it always did
+            self.map_notes_[name] = f"not mapped: {e}"
+            return None
+        if not any(f is value.mapping for f in self.mapped_files_):
+            self.mapped_files_.append(value.mapping)
+        self.map_notes_[name] = None
+        self.keep.append(m)
+        self.matrices[name] = m
+        self.weight_bytes_ += m.nbytes
+        return m
+
+    cdef object check_mapped(self):
+        for f in self.mapped_files_:
+            f.check()
+
+    def check_mapped_files(self):
+        """Raise CheckpointError (a ValueError naming the file) when a file
+        this model's weights are mapped from changed since the load (fstat:
+        device, inode, size, mtime); the forward calls run it first."""
+        self.check_mapped()
+
+    @property
+    def mapped_bytes(self):
+        """Bytes of weights mapped from their files (part of weight_bytes):
+        the page cache's pages, shared with every process mapping the same
+        file, not this process's private memory."""
+        return sum((<Matrix>m).nbytes for m in self.matrices.values() if (<Matrix>m).mapped)
+
+    def mapping_report(self):
+        """HF name -> "mapped", or "copied: <why>" for each matrix (a model
+        loaded with mmap=False reports "copied: mmap off")."""
+        out = {}
+        for name, m in self.matrices.items():
+            if (<Matrix>m).mapped:
+                out[name] = "mapped"
+            else:
+                out[name] = "copied: " + (self.map_notes_.get(name) or "mmap off")
+        return out
 
     def storage_report(self):
         """HF name -> (source type, storage) of every packed matrix: the

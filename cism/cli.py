@@ -50,6 +50,12 @@ def load_model(args):
         if cism.FAMILIES.get(kind) not in ("cism.dense", "cism.surjo"):
             raise CliError(f"--kv-precision {args.kv_precision} is for dense and Surjo models, not {kind}")
         options["kv_precision"] = args.kv_precision
+    if getattr(args, "no_mmap", False):
+        from cism.loaders import read_config
+        kind = read_config(model_path(args)).get("model_type")
+        if cism.FAMILIES.get(kind) != "cism.dense":
+            raise CliError(f"--no-mmap is for dense models (the others always copy), not {kind}")
+        options["mmap"] = False
     model = cism.load(model_path(args), precision=args.precision, threads=args.threads,
                       act_precision=args.act_precision, **options)
     if args.prefill_precision != "exact":
@@ -75,6 +81,9 @@ def add_model_args(p, required=False):
     p.add_argument("--kv-precision", default="fp32", choices=["fp32", "fp16"],
                    help="fp16: KV caches in binary16 (half the memory, faster long contexts; dense and Surjo models)")
     p.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    p.add_argument("--no-mmap", action="store_true",
+                   help="copy every tensor into private memory instead of mapping the ones whose storage is "
+                        "the file's encoding (F32/F16 at fp32/fp16, Q4_K/Q6_K kept; dense models)")
 
 
 # ---------------------------------------------------------------- generate ---
@@ -242,13 +251,15 @@ def cmd_info(args):
         start = time.perf_counter()
         model = load_model(args)
         load_seconds = time.perf_counter() - start
+        mapping = model.mapping_report() if hasattr(model, "mapping_report") else {}
         info["model"] = {"path": model_path(args), "config": dict(vars(model.config)),
                          "precision": model.precision, "act_precision": model.act_precision,
                          "threads": model.thread_count, "weight_bytes": model.weight_bytes,
                          "load_seconds": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
                          "compile_key": model.compile_key,
                          "tokenizer": repr(model.tokenizer) if model.tokenizer is not None else None,
-                         "tensors": {name: {"source": src, "storage": st}
+                         "mapped_bytes": getattr(model, "mapped_bytes", 0),
+                         "tensors": {name: {"source": src, "storage": st, "memory": mapping.get(name, "copied")}
                                      for name, (src, st) in model.storage_report().items()}}
     if args.json:
         print(json.dumps(info, default=str))
@@ -262,13 +273,16 @@ def cmd_info(args):
         print(f"  precision: {m['precision']} (activations {m['act_precision']}), threads {m['threads']}")
         print(f"  weight bytes: {m['weight_bytes']:,} (loaded in {m['load_seconds']:.2f} s; "
               f"peak RSS {m['peak_rss_bytes'] / 2**20:,.0f} MiB, the process's since it started)")
+        nmapped = sum(t["memory"] == "mapped" for t in m["tensors"].values())
+        print(f"  mapped from the file: {m['mapped_bytes']:,} bytes, {nmapped} of {len(m['tensors'])} matrices "
+              "(shared page cache, not this process's private memory)")
         print(f"  tokenizer: {m['tokenizer']}")
         # each source type (the file's tensor type) and what it became
         mix = collections.Counter((t["source"], t["storage"]) for t in m["tensors"].values())
         print("  matrices: " + ", ".join(f"{n} x {src} -> {st}" for (src, st), n in sorted(mix.items())))
         if args.tensors:
             for name, t in m["tensors"].items():
-                print(f"    {name}: {t['source']} -> {t['storage']}")
+                print(f"    {name}: {t['source']} -> {t['storage']}  ({t['memory']})")
     return 0
 
 

@@ -183,17 +183,27 @@ class Model(GenerationMixin, DenseModel):
 
     @classmethod
     def from_pretrained(cls, path, precision="auto", threads=None, act_precision="fp32",
-                        prefill_precision="exact", kv_precision="fp32"):
+                        prefill_precision="exact", kv_precision="fp32", mmap=True):
         """Load an HF directory (config.json + safetensors), a GGUF file or a
         llama2.c .bin checkpoint. precision "auto" (or "native"): a GGUF
         keeps each tensor in its file encoding where cism has a native
         storage (Q4_K, Q6_K) and otherwise takes the nearest storage that
         keeps its quality (cism.loaders.ggml_types.AUTO); other checkpoints
-        load at fp32."""
+        load at fp32.
+
+        ``mmap`` (default on): tensors whose storage is the file's own
+        encoding (F32 at fp32, F16 at fp16, Q4_K/Q6_K at q4_k/q6_k) are
+        mapped from the file, read-only, instead of copied: processes and
+        replicas loading the same file share those pages (page cache), and
+        the load reads only the bytes it checks. The file must then stay
+        unchanged: each forward call checks it first and raises
+        CheckpointError when it changed (docs/HARDENING.md). ``mmap=False``
+        copies every tensor into private memory."""
         from cism.loaders import build_pretrained
         from cism._dense import check_kv_precision, check_prefill_precision
         check_prefill_precision(prefill_precision)   # before the checkpoint is read
         check_kv_precision(kv_precision)
-        model = build_pretrained(cls, path, precision, threads, act_precision, kv_precision=kv_precision)
+        model = build_pretrained(cls, path, precision, threads, act_precision, mmap=mmap,
+                                 kv_precision=kv_precision)
         model.set_prefill_precision(prefill_precision)
         return model

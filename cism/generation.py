@@ -165,7 +165,11 @@ class GenerationMixin:
         prefill_s = t_first - t0
         hit = None
         step = 1 if (spec_k == 0 or logprobs) else spec_k + 1
+        # a file the weights are mapped from is checked before every step (one fstat)
+        check_files = getattr(self, "check_mapped_files", None)
         while not session.finish_reason:
+            if check_files is not None:
+                check_files()
             logits = session.last_logits if logprobs else None
             new = session.next_tokens(step, spec_k=0 if logprobs else spec_k)
             if not new:

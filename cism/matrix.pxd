@@ -42,3 +42,4 @@ cdef class Matrix:
     cdef size_t nbytes_
     cdef int act_mode
     cdef str storage_name
+    cdef object base_      # the owner of codes_buf when the Matrix does not own it (a file mapping), else None

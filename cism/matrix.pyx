@@ -12,7 +12,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cython.parallel cimport prange
-from libc.stdint cimport int8_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 from cpython.ref cimport Py_INCREF
@@ -410,6 +410,26 @@ cdef matrix_copy_ggml(Matrix m, raw, size_t first, int nt, bint check_finite):
             memcpy(dst, src, total)
 
 
+cdef bint f32_all_finite(const uint8_t *p, size_t n) noexcept nogil:
+    """Whether n float32 (little-endian, 4-byte aligned) hold no inf or NaN."""
+    cdef const uint32_t *u = <const uint32_t*>p
+    cdef uint32_t bad = 0
+    cdef size_t i
+    for i in range(n):
+        bad |= (u[i] & 0x7f800000u) == 0x7f800000u
+    return bad == 0
+
+
+cdef bint f16_all_finite(const uint8_t *p, size_t n) noexcept nogil:
+    """Whether n binary16 (2-byte aligned) hold no inf or NaN."""
+    cdef const uint16_t *u = <const uint16_t*>p
+    cdef uint16_t bad = 0
+    cdef size_t i
+    for i in range(n):
+        bad |= (u[i] & 0x7c00u) == 0x7c00u
+    return bad == 0
+
+
 cdef class Matrix:
     """A packed weight matrix.
 
@@ -423,6 +443,7 @@ cdef class Matrix:
     def __cinit__(self):
         self.codes_buf = NULL
         self.scales_buf = NULL
+        self.base_ = None
 
     def __init__(self, values, storage="fp32", threads=None, *, check_finite=True):
         cdef int s = _storage_index(storage)
@@ -468,6 +489,8 @@ cdef class Matrix:
         (``n * row_bytes`` bytes, as Matrix.from_ggml takes them), its fp16
         scales checked finite unless ``check_finite=False``."""
         cdef int nt = resolve_threads(threads)
+        if self.base_ is not None:
+            raise ValueError("a mapped matrix is read-only")
         if self.storage_name not in GGML_NATIVE.values():
             raise ValueError(f"a {self.storage_name} matrix packs floats (pack_rows), not a GGUF file's blocks")
         if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous:
@@ -484,6 +507,8 @@ cdef class Matrix:
         rows ``[first, first + n)``: the bytes ``Matrix(whole, storage)``
         gives those rows. Values are not checked (the caller checks them)."""
         cdef int nt = resolve_threads(threads)
+        if self.base_ is not None:
+            raise ValueError("a mapped matrix is read-only")
         if self.storage_name not in FLOAT_STORAGES:
             raise ValueError(f"a {self.storage_name} matrix holds a GGUF file's own blocks, not packed floats")
         if (not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 2
@@ -547,8 +572,71 @@ cdef class Matrix:
         matrix_copy_ggml(m, raw, 0, nt, check_finite)
         return m
 
+    @staticmethod
+    def _mapped(storage, view, rows, cols, threads=None, *, check_finite=True):
+        """A fp32, fp16, q4_k or q6_k Matrix multiplying ``view`` in place: a
+        C-contiguous uint8 array of exactly ``rows * row_bytes`` bytes in the
+        storage's layout (a file's F32, F16, Q4_K or Q6_K tensor), kept alive
+        by the Matrix and never written or freed by it. The caller guarantees
+        what cism's own buffers give the kernels (cism/loaders/mapping.py):
+        CISM_SLACK readable bytes after the view (their values are never
+        folded in) and the element alignment checked here. The values are
+        checked finite unless ``check_finite=False`` (fp32/fp16: every
+        element's exponent; q4_k/q6_k: the fp16 scales)."""
+        cdef int s
+        if storage not in ("fp32", "fp16", "q4_k", "q6_k"):
+            raise ValueError(f"storage {storage!r} is not a file encoding (fp32, fp16, q4_k, q6_k)")
+        s = STORAGES.index(storage)
+        _check_dims(rows, cols)
+        if (s == CISM_Q4K or s == CISM_Q6K) and cols % CISM_QK_K:
+            raise ValueError(f"a {storage} row holds whole 256-element super-blocks: "
+                             f"cols must be a multiple of 256, got {cols}")
+        cdef size_t R = rows, C = cols, row_bytes = cism_row_bytes(s, C)
+        if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or not view.flags.c_contiguous \
+                or <size_t>view.nbytes != R * row_bytes:
+            raise ValueError(f"view must be a C-contiguous uint8 array of {R * row_bytes} bytes")
+        cdef const uint8_t *p = <const uint8_t*>cnp.PyArray_DATA(view)
+        cdef size_t align = 4 if s == CISM_FP32 else 2, bad = 0, n = R * row_bytes
+        if <size_t>p % align:
+            raise ValueError(f"view at {<size_t>p:#x} is not {align}-byte aligned")
+        cdef bint ok = True
+        if check_finite:
+            with nogil:
+                if s == CISM_FP32:
+                    ok = f32_all_finite(p, n // 4)
+                elif s == CISM_FP16:
+                    ok = f16_all_finite(p, n // 2)
+                else:
+                    bad = ggml_nonfinite_block(s, p, n // cism_code_bytes(s, CISM_QK_K))
+                    ok = bad == n // cism_code_bytes(s, CISM_QK_K)
+            if not ok:
+                raise ValueError("values must be finite" if s == CISM_FP32 or s == CISM_FP16 else
+                                 f"non-finite scale in super-block {bad % (C // CISM_QK_K)} of row "
+                                 f"{bad // (C // CISM_QK_K)}: the weights would not be finite")
+        cdef Matrix m = Matrix.__new__(Matrix)
+        m.storage_name = storage
+        m.act_mode = ACT_FP32
+        m.base_ = view
+        m.codes_buf = <void*>p
+        m.nbytes_ = n
+        m.mat.storage = s
+        m.mat.rows = R
+        m.mat.cols = C
+        m.mat.codes = p
+        m.mat.row_bytes = row_bytes
+        m.mat.scale_offset = 0
+        m.mat.scales = NULL
+        return m
+
+    @property
+    def mapped(self):
+        """Whether the Matrix multiplies memory it does not own (a mapped
+        file's pages: Matrix._mapped) rather than its own buffer."""
+        return self.base_ is not None
+
     def __dealloc__(self):
-        free(self.codes_buf)
+        if self.base_ is None:    # (a mapped view is the file's, released with base_)
+            free(self.codes_buf)
         free(self.scales_buf)
 
     @property

@@ -3,10 +3,15 @@
  * The Cython side mirrors this header in cism/_capi.pxd; the packing rules
  * live in pack.c and the NumPy re-implementation in tests/test_packing.py.
  *
- * All packed buffers are 64-byte aligned and followed by CISM_SLACK zero
- * bytes, so SIMD kernels may read a whole vector past the last row without
- * leaving the allocation. Kernels multiply any over-read element by a zero
- * activation, so the slack never changes a result.
+ * All packed buffers cism allocates are 64-byte aligned and followed by
+ * CISM_SLACK zero bytes, so SIMD kernels may read a whole vector past the
+ * last row without leaving the allocation. Kernels never fold an over-read
+ * element in (masked or -0 lanes, or a zero activation), so the slack never
+ * changes a result whatever it holds. What a kernel may rely on is less:
+ * the element alignment (4 bytes fp32; 2 fp16, q4_k, q6_k: weights are only
+ * read with unaligned or masked vector loads) and CISM_SLACK readable bytes
+ * after the last row, which is all a matrix mapped from its file gets
+ * (cism/loaders/mapping.py).
  */
 #ifndef CISM_FORMATS_H
 #define CISM_FORMATS_H

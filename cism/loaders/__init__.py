@@ -39,24 +39,27 @@ def _kind(path):
     return "llama2c"         # the legacy format has no magic: its header and size are checked
 
 
-def load_checkpoint(path, keep_quantized=False, lazy=False):
+def load_checkpoint(path, keep_quantized=False, lazy=False, mmap=False):
     """Load any supported checkpoint: a directory is a Hugging Face model, a file
     starting with "GGUF" (or named *.gguf) is GGUF, anything else must be a
     llama2.c .bin whose header matches its size exactly. Weights are float32
     arrays; with ``lazy`` (or its older name ``keep_quantized``) they are
-    lazy.FileTensors, checked against the file but not read."""
+    lazy.FileTensors, checked against the file but not read. ``mmap`` (with
+    ``lazy``; GGUF and safetensors files): the tensors carry a shared
+    mapping.FileMap of their file, and a model maps the ones whose storage
+    is the file's own encoding instead of copying them (mapping.py)."""
     path = os.fspath(path)
     lazy = lazy or keep_quantized
     with memory_for(path, "loading the checkpoint"):
         kind = _kind(path)
         if kind == "hf":
-            return load_hf_dir(path, lazy=lazy)
+            return load_hf_dir(path, lazy=lazy, mmap=mmap)
         if kind == "gguf":
-            return load_gguf(path, lazy=lazy)
+            return load_gguf(path, lazy=lazy, mmap=mmap)
         return load_llama2c(path, lazy=lazy)
 
 
-def build_pretrained(model_class, path, precision, threads, act_precision, **options):
+def build_pretrained(model_class, path, precision, threads, act_precision, mmap=False, **options):
     """Load a checkpoint and build a model_class from it (every family's
     Model.from_pretrained; options go to the model's constructor). The
     model reads every tensor lazily as it packs it (lazy.FileTensor), a row
@@ -66,10 +69,15 @@ def build_pretrained(model_class, path, precision, threads, act_precision, **opt
     precision "auto" (or its synonym "native"): each GGUF tensor keeps its
     file encoding where cism has a native storage for it, and otherwise
     takes the storage ggml_types.auto_storage names; any other checkpoint
-    loads at fp32."""
+    loads at fp32.
+
+    ``mmap``: tensors whose storage is the file's encoding are mapped from
+    the file (read-only, shared page cache) instead of copied
+    (cism/loaders/mapping.py); the model then checks before each forward
+    call that the file has not changed."""
     path = os.fspath(path)
     with memory_for(path, "loading the checkpoint"):
-        ckpt = load_checkpoint(path, lazy=True)
+        ckpt = load_checkpoint(path, lazy=True, mmap=mmap)
         config = model_class.config_class.from_hf(ckpt.config)
         if precision in ("auto", "native"):
             if ckpt.types and getattr(model_class, "takes_ggml_tensors", False):
@@ -81,7 +89,7 @@ def build_pretrained(model_class, path, precision, threads, act_precision, **opt
             model = model_class(config, ckpt.weights, precision=precision, threads=threads,
                                 act_precision=act_precision, **options)
         model.source = ckpt
-        ckpt.weights = None  # the packed matrices hold everything now (and no file stays open)
+        ckpt.weights = None  # the packed matrices hold everything now (a mapped file stays open: FileMap)
     return model
 
 

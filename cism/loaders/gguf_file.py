@@ -429,14 +429,17 @@ def hf_name(path, name):
     raise CheckpointError(path, "has no Hugging Face equivalent in cism's llama/qwen2/qwen3 models", name)
 
 
-def load_gguf(path, threads=None, keep_quantized=False, lazy=False):
+def load_gguf(path, threads=None, keep_quantized=False, lazy=False, mmap=False):
     """A GGUF file -> Checkpoint (format "gguf"), weights dequantised to float32.
 
     ``lazy`` (or its older name ``keep_quantized``): every tensor is a
     lazy.FileTensor instead, read and decoded only when the model packs it
     (a quantised matrix can also be packed in its own encoding, Q4_K and
     Q6_K); llama's q/k rows are reordered all the same (ggml blocks never
-    cross rows).
+    cross rows). ``mmap`` (with ``lazy``): the tensors share one
+    mapping.FileMap of the file, so the model may multiply a tensor whose
+    storage is the file's encoding where the file lies (mapping.py says
+    when; the header's size and byte-order checks above have run).
 
     ``threads`` (None = the process default) only changes the speed: every
     element is decoded by the same block-local C expression (csrc/ggml.h).
@@ -481,8 +484,10 @@ def load_gguf(path, threads=None, keep_quantized=False, lazy=False):
                 raise CheckpointError(path, f"shape {info.shape} cannot be split into {n} heads "
                                       "of rotary pairs", info.name)
 
+    from .mapping import FileMap
+    mapping = FileMap(path) if mmap and (lazy or keep_quantized) else None
     weights = {target: FileTensor(path, info.name, info.type_id, info.offset, info.shape,
-                                  heads_of.get(target))
+                                  heads_of.get(target), mapping)
                for info, target in plan}
     if not (lazy or keep_quantized):
         # One tensor at a time in file order (sequential reads): its bytes,

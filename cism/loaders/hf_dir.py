@@ -123,7 +123,7 @@ def _weight_files(directory):
     raise CheckpointError(directory, f"no {SINGLE_NAME}, {INDEX_NAME} or other *.safetensors file{hint}")
 
 
-def load_hf_dir(path, lazy=False):
+def load_hf_dir(path, lazy=False, mmap=False):
     """A Hugging Face model directory -> Checkpoint (format "hf"): float32
     arrays, or with ``lazy`` lazy.FileTensors read when the model packs them."""
     directory = os.fspath(path)
@@ -150,7 +150,7 @@ def load_hf_dir(path, lazy=False):
 
     weights = {}
     for shard, entries in headers.items():
-        weights.update(lazy_tensors(shard, entries))
+        weights.update(lazy_tensors(shard, entries, mmap=mmap and lazy))
     if not lazy:
         weights = load_all(weights)
 

@@ -36,13 +36,15 @@ class FileTensor:
     rows come back in HF's rotate-half order (each head's rows reordered
     within the head, so a row block is read as whole heads)."""
 
-    __slots__ = ("path", "name", "type_id", "offset", "shape", "heads", "rows", "cols", "row_bytes")
+    __slots__ = ("path", "name", "type_id", "offset", "shape", "heads", "rows", "cols", "row_bytes", "mapping")
 
-    def __init__(self, path, name, type_id, offset, shape, heads=None):
+    def __init__(self, path, name, type_id, offset, shape, heads=None, mapping=None):
         _, block, block_bytes = ggml_types.GGML_TYPES[type_id]
         self.path, self.name, self.type_id, self.offset = str(path), name, type_id, offset
         self.shape = tuple(int(d) for d in shape)
         self.heads = heads
+        # a mapping.FileMap of the file when the model may map this tensor (mmap=True)
+        self.mapping = mapping
         self.cols = self.shape[-1] if self.shape else 1
         self.rows = math.prod(self.shape[:-1])        # 1 for a vector or a scalar
         self.row_bytes = self.cols // block * block_bytes

@@ -15,6 +15,7 @@ import numpy as np
 from . import ggml_types
 from ._common import CheckpointError, check_addressable, file_size, open_file, read_into
 from .lazy import FileTensor, load_all
+from .mapping import FileMap
 
 # A header is a few hundred bytes per tensor; the reference implementation
 # refuses anything over 100 MB, and so do we.
@@ -142,9 +143,13 @@ def _entry(path, name, info, data_start, data_size):
 GGML_TYPE = {"F32": ggml_types.F32, "F16": ggml_types.F16, "BF16": ggml_types.BF16}
 
 
-def lazy_tensors(path, entries):
-    """name -> lazy.FileTensor for the given entries of one file (nothing read)."""
-    return {e.name: FileTensor(path, e.name, GGML_TYPE[e.dtype], e.begin, e.shape) for e in entries}
+def lazy_tensors(path, entries, mmap=False):
+    """name -> lazy.FileTensor for the given entries of one file (nothing
+    read); ``mmap``: the tensors share one mapping.FileMap of the file, which
+    the model may multiply in place (safetensors is little-endian)."""
+    mapping = FileMap(path) if mmap else None
+    return {e.name: FileTensor(path, e.name, GGML_TYPE[e.dtype], e.begin, e.shape, mapping=mapping)
+            for e in entries}
 
 
 def read_tensors(path, entries):
