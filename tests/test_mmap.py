@@ -17,7 +17,9 @@ from cism.dense import Model
 from cism.loaders import CheckpointError, load_checkpoint
 
 from test_loaders import dense_tensors, gguf_meta, gguf_name, write_gguf
-from gguf import GGMLQuantizationType as Q
+
+pytest.importorskip("gguf")  # every test here writes its GGUF with gguf-py
+from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 Q4_K_M = os.path.join(HERE, "data", "ggml", "tiny-llama.Q4_K_M.gguf")
