@@ -22,7 +22,7 @@ def test_cloze_questions(data_dir, choices):
         assert q["context"] + q["choices"][q["label"]] + "." in text
 
 
-def test_rounds_score_whole_questions_in_turn(smollm2_gguf, monkeypatch, capsys):
+def test_rounds_score_whole_questions_in_turn(smollm2_gguf, data_dir, monkeypatch, capsys):
     bench = load_script("evaluate")
     import cism.lm_eval
     calls = []
