@@ -1,0 +1,101 @@
+# Causal GQA attention over a KV cache by query tiles (cimport
+# cism._attention; the dense layers and Surjo's XSA steps). nq queries at
+# consecutive positions p0.. of one sequence; every query gets exactly the
+# arithmetic of attending alone, position by position (docs/EXACTNESS.md):
+# its scores are canonical dots (scores16 over the key tiles: the fp32
+# gemm's bits for each key) times the scale; then max, exp, one sum in
+# position order, each weight score / sum; then out = fma(weight, value,
+# out) over the positions in order (axpy_tile).
+from libc.math cimport sqrtf
+from libc.string cimport memset
+from cism._kernels cimport cism_kernels
+from cism._kvcache cimport KV, kv_scores, kv_weighted
+
+cdef enum:
+    QTILE = 16   # queries attended together (scores16 takes them four at a time)
+
+
+cdef inline size_t query_tiles(size_t *tile_of, const int *seq_of, const size_t *pos_of,
+                               size_t T) noexcept nogil:
+    """Cut T tokens into runs of up to QTILE tokens of one sequence at
+    consecutive positions (a prompt chunk gives full tiles, a batch of
+    single decode tokens tiles of one); tile_of[i] = first token of tile i.
+    Returns the number of tiles."""
+    cdef size_t g, n = 0
+    for g in range(T):
+        if (n == 0 or g - tile_of[n - 1] == QTILE or seq_of[g] != seq_of[g - 1]
+                or pos_of[g] != pos_of[g - 1] + 1):
+            tile_of[n] = g
+            n += 1
+    return n
+
+
+cdef inline size_t window_start(size_t window, size_t p) noexcept nogil:
+    """The first position a query at position p attends to: 0, or the
+    start of its sliding window (Mistral: the last `window` positions,
+    itself included, as transformers masks them; window 0: no window)."""
+    return p + 1 - window if window and p + 1 > window else 0
+
+
+cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
+                              float scale, float *out, size_t ldo, size_t hd) noexcept nogil:
+    """Row i of sc (positions 0..p0 + i) becomes the weights of query i
+    (K.softmax: times scale, minus the maximum, exp, each divided by the
+    sum, the maximum and the sum by 16 lanes and the canonical tree).
+    Zeroes each query's output row (hd floats)."""
+    cdef size_t i
+    for i in range(nq):
+        K.softmax(sc + i * ldsc, p0 + i + 1, scale)
+        memset(out + i * ldo, 0, hd * sizeof(float))
+
+
+cdef inline void window_softmax(const cism_kernels *K, float *row, size_t lo, size_t p, float scale,
+                                float *out, size_t hd) noexcept nogil:
+    """tile_softmax for one query at position p over positions lo..p of its
+    score row (lo = 0: tile_softmax's bits); zeroes its output."""
+    K.softmax(row + lo, p + 1 - lo, scale)
+    memset(out, 0, hd * sizeof(float))
+
+
+cdef inline void attend_tile(const cism_kernels *K, const KV *kv, size_t l, size_t kvh, const float *q,
+                             float *out, size_t ld, size_t nq, size_t p0, size_t window,
+                             float *sc) noexcept nogil:
+    """One head's causal attention for a tile of nq queries at positions
+    p0.. (q and out: nq rows ld floats apart), over KV head kvh of layer l:
+    the tile for the positions every query sees, each query alone for the
+    rest; where a sliding window cuts in, each query over its own positions
+    (the tile's split gives each query these bits too, axpy_tile's chain
+    being plain axpy's). sc: QTILE rows of at least p0 + nq scores."""
+    cdef size_t hd = kv.head_dim, span = p0 + nq, i, lo
+    cdef float scale = 1.0 / sqrtf(<float>hd)
+    kv_scores(K, kv, q, ld, nq, l, kvh, hd, sc, span, span, window_start(window, p0) // 16, (span + 15) // 16)
+    if window_start(window, span - 1) == 0:
+        tile_softmax(K, sc, span, nq, p0, scale, out, ld, hd)
+        kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, ld, hd)
+        for i in range(1, nq):
+            kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, p0 + 1, p0 + i + 1, 0, out + i * ld, ld, hd)
+    else:
+        for i in range(nq):
+            lo = window_start(window, p0 + i)
+            window_softmax(K, sc + i * span, lo, p0 + i, scale, out + i * ld, hd)
+            kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, lo, p0 + i + 1, 0, out + i * ld, ld, hd)
+
+
+cdef inline void attend_group(const cism_kernels *K, const KV *kv, size_t l, size_t kvh, const float *q,
+                              float *out, size_t G, size_t p, size_t window, float *sc) noexcept nogil:
+    """Attention of one lone query at position p for the G heads that share
+    KV head kvh (q and out: the group's first head, heads head_dim apart),
+    up to QTILE of them at a time as one tile of queries over the same keys
+    and values: scores16 gives each query the dots it gets alone and
+    axpy_tile each output the fma chain of plain axpy calls
+    (csrc/kernels.h), so every head gets exactly attend_tile's arithmetic
+    for it alone; the tile reads each key and value once for the heads and
+    gives the weighted sums several independent chains."""
+    cdef size_t hd = kv.head_dim, span = p + 1, t, h0, nh, j, lo = window_start(window, p)
+    for t in range((G + QTILE - 1) // QTILE):
+        h0 = t * QTILE
+        nh = min(<size_t>QTILE, G - h0)
+        kv_scores(K, kv, q + h0 * hd, hd, nh, l, kvh, hd, sc, span, span, lo // 16, (span + 15) // 16)
+        for j in range(nh):
+            window_softmax(K, sc + j * span, lo, p, 1.0 / sqrtf(<float>hd), out + (h0 + j) * hd, hd)
+        kv_weighted(K, kv, sc, span, nh, l, kvh, lo, span, 0, out + h0 * hd, hd, hd)
