@@ -165,6 +165,7 @@ EXTENSIONS = [
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),
     extension("cism._surjo", ["cism/_surjo.pyx"]),
+    extension("cism._surjo_session", ["cism/_surjo_session.pyx"]),
     extension("cism._prefix", ["cism/_prefix.pyx"]),
     extension("cism._requests", ["cism/_requests.pyx"]),
     extension("cism._engine", ["cism/_engine.pyx"]),

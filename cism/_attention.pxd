@@ -7,12 +7,80 @@
 # position order, each weight score / sum; then out = fma(weight, value,
 # out) over the positions in order (axpy_tile).
 from libc.math cimport sqrtf
+from libc.stdlib cimport free, realloc
 from libc.string cimport memset
 from cism._kernels cimport cism_kernels
 from cism._kvcache cimport KV, kv_scores, kv_weighted
+from cism._layers cimport grow_f
+from cism.matrix cimport Scratch, scratch_free
 
 cdef enum:
     QTILE = 16   # queries attended together (scores16 takes them four at a time)
+
+
+cdef struct AttnWork:
+    # token-major scratch of an attention family's forward, up to tokens_cap tokens
+    float *x        # (T, hidden) residual stream
+    float *xn       # (T, hidden) normalized
+    float *q        # (T, q_width)
+    float *k        # (T, kv_width)
+    float *v        # (T, kv_width)
+    float *att      # (T, q_width)
+    float *proj     # (T, hidden) mixer / MLP output
+    float *gate     # (T, inter)
+    float *up       # (T, inter)
+    float *head_in  # (n_out, hidden) final-normed rows that need logits
+    float *scores   # (threads, QTILE * score_cap) one query tile's scores per thread
+    float *rope     # (threads, head_dim) cos/sin beyond the table
+    int *seq_of     # (T,) sequence of each token
+    size_t *pos_of  # (T,) position of each token
+    size_t *out_rows  # (n_out,) the tokens whose logits are wanted, in row order
+    size_t *tile_of # (T,) first token of each attention query tile
+    size_t tokens_cap, score_cap, out_cap, threads_cap
+    Scratch qs
+
+
+cdef inline int attn_work_reserve(AttnWork *w, size_t T, size_t S, size_t n_out, size_t hidden, size_t inter,
+                                  size_t q_width, size_t kv_width, size_t head_dim, size_t nt) noexcept nogil:
+    """Room for T tokens over S positions, n_out logits rows and nt threads:
+    0, or -1 without memory. A cap is zeroed before its buffers are
+    replaced, so a failed grow leaves nothing that a later, smaller call
+    could mistake for room."""
+    if T > w.tokens_cap:
+        w.tokens_cap = 0
+        if (grow_f(&w.x, T * hidden) or grow_f(&w.xn, T * hidden) or grow_f(&w.q, T * q_width)
+                or grow_f(&w.k, T * kv_width) or grow_f(&w.v, T * kv_width)
+                or grow_f(&w.att, T * q_width) or grow_f(&w.proj, T * hidden)
+                or grow_f(&w.gate, T * inter) or grow_f(&w.up, T * inter)):
+            return -1
+        w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
+        w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
+        w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
+        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
+        if w.seq_of == NULL or w.pos_of == NULL or w.out_rows == NULL or w.tile_of == NULL:
+            return -1
+        w.tokens_cap = T
+    if n_out > w.out_cap:
+        w.out_cap = 0
+        if grow_f(&w.head_in, n_out * hidden):
+            return -1
+        w.out_cap = n_out
+    if S > w.score_cap or nt > w.threads_cap:
+        w.score_cap = 0
+        w.threads_cap = 0
+        if grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * head_dim):
+            return -1
+        w.score_cap = S
+        w.threads_cap = nt
+    return 0
+
+
+cdef inline void attn_work_free(AttnWork *w) noexcept nogil:
+    free(w.x); free(w.xn); free(w.q); free(w.k); free(w.v); free(w.att); free(w.proj)
+    free(w.gate); free(w.up); free(w.head_in); free(w.scores); free(w.rope)
+    free(w.seq_of); free(w.pos_of); free(w.out_rows); free(w.tile_of)
+    scratch_free(&w.qs)
+    memset(w, 0, sizeof(AttnWork))
 
 
 cdef inline size_t query_tiles(size_t *tile_of, const int *seq_of, const size_t *pos_of,

@@ -27,8 +27,10 @@ from cism._session cimport DecodeSession, MAX_K
 from cism._step cimport Stepper, StepBatch, StepRun
 from cism._kvcache cimport (KV, kv_alloc, kv_array, kv_block_bytes, kv_cache_bytes, kv_free, kv_paged,
                            kv_scores, kv_store, kv_weighted)
-from cism._attention cimport QTILE, attend_group, attend_tile, query_tiles, window_softmax, window_start
-from cism._layers cimport Rope, add_into, embed_rows, grow_f, lm_head, rmsnorm, rope_rotate, swiglu, team
+from cism._attention cimport (QTILE, AttnWork, attend_group, attend_tile, attn_work_free, attn_work_reserve,
+                             query_tiles, window_softmax, window_start)
+from cism._layers cimport (Rope, add_into, embed_rows, grow_f, head_norms, lm_head, rmsnorm, rope_rotate,
+                           swiglu, team)
 from cism.matrix cimport ACT_BF16, Scratch, bf16_ready, gemm_multi, gemm1, scratch_free
 from cism._status cimport OK, CANCELLED, NOMEM, NONFINITE, cism_flag_check
 from cism._checks cimport as_tokens, check_count
@@ -375,68 +377,23 @@ DEF SPLIT_COLS = 32       # value columns per work item of attend_split's weight
 
 
 cdef struct Work:
-    # token-major scratch for up to tokens_cap tokens
-    float *x        # (T, hidden) residual stream
-    float *xn       # (T, hidden) normalized
-    float *q        # (T, q_width)
-    float *k        # (T, kv_width)
-    float *v        # (T, kv_width)
-    float *att      # (T, q_width)
-    float *proj     # (T, hidden)
-    float *gate     # (T, inter)
-    float *up       # (T, inter)
-    float *head_in  # (n_out, hidden) final-normed rows that need logits
-    float *scores   # (threads, QTILE * score_cap) attention scores of one query tile per thread
+    AttnWork a      # the attention family's token-major scratch
     float *hscores  # (heads, score_cap) every head's scores of a lone token (attend_split)
-    float *rope     # (threads, head_dim) cos/sin beyond the table
-    int *seq_of     # (T,) sequence of each token
-    size_t *pos_of  # (T,) position of each token
-    size_t *out_rows
-    size_t *tile_of  # (T,) first token of each attention query tile
-    size_t tokens_cap, score_cap, out_cap, threads_cap
     bint prompt     # the next forward holds prompt tokens only (set by its caller)
-    Scratch qs
 
 
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
-    cdef size_t nt = m.threads
-    # a cap is zeroed before its buffers are replaced, so a failed grow
-    # leaves nothing that a later, smaller call could mistake for room
-    if T > w.tokens_cap:
-        w.tokens_cap = 0
-        if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.q, T * m.q_width)
-                or grow_f(&w.k, T * m.kv_width) or grow_f(&w.v, T * m.kv_width)
-                or grow_f(&w.att, T * m.q_width) or grow_f(&w.proj, T * m.hidden)
-                or grow_f(&w.gate, T * m.inter) or grow_f(&w.up, T * m.inter)):
+    if S > w.a.score_cap or <size_t>m.threads > w.a.threads_cap:
+        w.a.score_cap = 0   # (attn_work_reserve grows the rest)
+        if grow_f(&w.hscores, m.heads * S):
             return -1
-        w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
-        w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
-        w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
-        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
-        if w.seq_of == NULL or w.pos_of == NULL or w.out_rows == NULL or w.tile_of == NULL:
-            return -1
-        w.tokens_cap = T
-    if n_out > w.out_cap:
-        w.out_cap = 0
-        if grow_f(&w.head_in, n_out * m.hidden):
-            return -1
-        w.out_cap = n_out
-    if S > w.score_cap or nt > w.threads_cap:
-        w.score_cap = 0
-        w.threads_cap = 0
-        if (grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.hscores, m.heads * S)
-                or grow_f(&w.rope, nt * m.head_dim)):
-            return -1
-        w.score_cap = S
-        w.threads_cap = nt
-    return 0
+    return attn_work_reserve(&w.a, T, S, n_out, m.hidden, m.inter, m.q_width, m.kv_width, m.head_dim,
+                             m.threads)
 
 
 cdef void work_free(Work *w) noexcept nogil:
-    free(w.x); free(w.xn); free(w.q); free(w.k); free(w.v); free(w.att); free(w.proj)
-    free(w.gate); free(w.up); free(w.head_in); free(w.scores); free(w.hscores); free(w.rope)
-    free(w.seq_of); free(w.pos_of); free(w.out_rows); free(w.tile_of)
-    scratch_free(&w.qs)
+    attn_work_free(&w.a)
+    free(w.hscores)
     memset(w, 0, sizeof(Work))
 
 
@@ -444,23 +401,21 @@ cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *
                         int tid) noexcept nogil:
     cdef const Layer *L = &m.layer[l]
     cdef size_t hd = m.head_dim, h
-    cdef float *q = w.q + g * m.q_width
-    cdef float *k = w.k + g * m.kv_width
+    cdef float *q = w.a.q + g * m.q_width
+    cdef float *k = w.a.k + g * m.kv_width
     cdef const cism_kernels *K = kernel_table()
     if L.q_bias != NULL:
         # after the projection's sum, as torch's linear adds them
         add_into(q, L.q_bias, m.q_width)
         add_into(k, L.k_bias, m.kv_width)
-        add_into(w.v + g * m.kv_width, L.v_bias, m.kv_width)
+        add_into(w.a.v + g * m.kv_width, L.v_bias, m.kv_width)
     if m.qwen3:
         # per-head RMS norms of q and k before rotation
-        for h in range(m.heads):
-            rmsnorm(q + h * hd, q + h * hd, L.q_norm, hd, m.eps)
-        for h in range(m.kv_heads):
-            rmsnorm(k + h * hd, k + h * hd, L.k_norm, hd, m.eps)
-    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.rope + tid * hd)
+        head_norms(q, m.heads, hd, L.q_norm, m.eps)
+        head_norms(k, m.kv_heads, hd, L.k_norm, m.eps)
+    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.a.rope + tid * hd)
     for h in range(m.kv_heads):
-        kv_store(K, kv, l, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+        kv_store(K, kv, l, h, pos, k + h * hd, w.a.v + g * m.kv_width + h * hd)
 
 
 cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv,
@@ -476,7 +431,7 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
     positions in order, whatever columns the call covers). So every head
     gets attend()'s bits for it alone."""
     cdef size_t hd = m.head_dim
-    cdef size_t p = w.pos_of[0], span = p + 1, lo = window_start(m.window, p)
+    cdef size_t p = w.a.pos_of[0], span = p + 1, lo = window_start(m.window, p)
     cdef size_t t0 = lo // 16, tiles = (span + 15) // 16 - t0   # the key tiles read: from the window's
     cdef size_t runs = min(tiles, <size_t>(4 * nt))      # runs of key tiles per KV group
     cdef size_t cols = (hd + SPLIT_COLS - 1) // SPLIT_COLS
@@ -485,7 +440,7 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
         split_scores(m, K, w, l, kv, r // runs, t0 + tiles * (r % runs) // runs,
                      t0 + tiles * (r % runs + 1) // runs)
     for r in prange(m.heads, num_threads=nt, schedule='static'):
-        window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.att + r * hd, hd)
+        window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.a.att + r * hd, hd)
     for r in prange(m.kv_heads * cols, num_threads=nt, schedule='static'):
         split_weighted(m, K, w, l, kv, r // cols, (r % cols) * SPLIT_COLS)
 
@@ -493,28 +448,28 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
 cdef void split_scores(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
                        size_t t0, size_t t1) noexcept nogil:
     """attend_split's scores of KV group kvh's heads against key tiles t0..t1."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1, t, h0, nh
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.a.pos_of[0] + 1, t, h0, nh
     for t in range((G + QTILE - 1) // QTILE):
         h0 = kvh * G + t * QTILE
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        kv_scores(K, kv, w.q + h0 * hd, hd, nh, l, kvh, hd, w.hscores + h0 * span, span, span, t0, t1)
+        kv_scores(K, kv, w.a.q + h0 * hd, hd, nh, l, kvh, hd, w.hscores + h0 * span, span, span, t0, t1)
 
 
 cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
                          size_t c0) noexcept nogil:
     """attend_split's weighted sums of KV group kvh's heads, value columns
     c0..c0 + SPLIT_COLS (within the head), every position in order."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.pos_of[0] + 1
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.a.pos_of[0] + 1
     cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), t, h0, nh, lo = window_start(m.window, span - 1)
     for t in range((G + QTILE - 1) // QTILE):
         h0 = kvh * G + t * QTILE
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        kv_weighted(K, kv, w.hscores + h0 * span, span, nh, l, kvh, lo, span, c0, w.att + h0 * hd + c0, hd, n)
+        kv_weighted(K, kv, w.hscores + h0 * span, span, nh, l, kvh, lo, span, c0, w.a.att + h0 * hd + c0, hd, n)
 
 
 cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, const KV *kvs,
                  const size_t *out_rows, size_t n_out, float *logits, int *cancel) noexcept nogil:
-    """Run T tokens (w.seq_of / w.pos_of give each token's sequence and
+    """Run T tokens (w.a.seq_of / w.a.pos_of give each token's sequence and
     position) through the model; logits of the tokens listed in out_rows go
     to logits (n_out, vocab). Keys and values are written for every token.
     Returns OK, CANCELLED, NOMEM or NONFINITE."""
@@ -539,16 +494,16 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     cdef int lmode = (ACT_BF16 | q8) if (m.prefill_bf16 and w.prompt) else q8
     cdef int rc
     for g in range(T):
-        if w.pos_of[g] + 1 > S:
-            S = w.pos_of[g] + 1
+        if w.a.pos_of[g] + 1 > S:
+            S = w.a.pos_of[g] + 1
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
-    ntiles = query_tiles(w.tile_of, w.seq_of, w.pos_of, T)
-    split = T == 1 and nt > 1 and w.pos_of[0] + 1 >= SPLIT_MIN_SPAN
+    ntiles = query_tiles(w.a.tile_of, w.a.seq_of, w.a.pos_of, T)
+    split = T == 1 and nt > 1 and w.a.pos_of[0] + 1 >= SPLIT_MIN_SPAN
     per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
     items = ntiles * per_tile
     ntH = team(nt, items, T * m.heads * S * hd)
-    embed_rows(&m.embed, tokens, T, w.x, H, ntT)
+    embed_rows(&m.embed, tokens, T, w.a.x, H, ntT)
     for l in range(m.layers):
         if cism_flag_check(cancel):
             return CANCELLED
@@ -556,23 +511,23 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # attention rmsnorm (after the previous layer's MLP residual)
         for g in prange(T, num_threads=ntT, schedule='static'):
             if l > 0:
-                add_into(w.x + g * H, w.proj + g * H, H)
-            rmsnorm(w.x + g * H, w.xn + g * H, L.input_norm, H, m.eps)
+                add_into(w.a.x + g * H, w.a.proj + g * H, H)
+            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.input_norm, H, m.eps)
         # q, k, v projections in one pass over their rows
         mats[0] = &L.q
         mats[1] = &L.k
         mats[2] = &L.v
-        outs[0] = w.q
-        outs[1] = w.k
-        outs[2] = w.v
+        outs[0] = w.a.q
+        outs[1] = w.a.k
+        outs[2] = w.a.v
         lds[0] = QW
         lds[1] = KW
         lds[2] = KW
-        if gemm_multi(mats, outs, lds, 3, lmode, w.xn, H, T, &w.qs, nt) != 0:
+        if gemm_multi(mats, outs, lds, 3, lmode, w.a.xn, H, T, &w.a.qs, nt) != 0:
             return NOMEM
         # (qwen3 q/k norms,) rotate q and k, store k and v
         for g in prange(T, num_threads=ntT, schedule='static'):
-            qk_rope_store(m, w, l, g, &kvs[w.seq_of[g]], w.pos_of[g], threadid())
+            qk_rope_store(m, w, l, g, &kvs[w.a.seq_of[g]], w.a.pos_of[g], threadid())
         # causal GQA attention. One sequence's lone decode token over a long
         # context: in phases over all threads (attend_split). Else one
         # (query tile, KV group) per work item: a lone query's heads of the
@@ -583,38 +538,38 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         # go KV group (or head) first, tiles within it, so consecutive items
         # read the same keys and values (a long prompt's stay in L2).
         if split:
-            attend_split(m, K, w, l, &kvs[w.seq_of[0]], nt)
+            attend_split(m, K, w, l, &kvs[w.a.seq_of[0]], nt)
         else:
             for r in prange(items, num_threads=ntH, schedule='dynamic'):
-                g = w.tile_of[r % ntiles]
-                nq = (w.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
-                sc = w.scores + threadid() * QTILE * w.score_cap
+                g = w.a.tile_of[r % ntiles]
+                nq = (w.a.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
+                sc = w.a.scores + threadid() * QTILE * w.a.score_cap
                 if per_tile == m.heads:
                     h = r // ntiles
-                    attend_tile(K, &kvs[w.seq_of[g]], l, h // group, w.q + g * QW + h * hd,
-                                w.att + g * QW + h * hd, QW, nq, w.pos_of[g], m.window, sc)
+                    attend_tile(K, &kvs[w.a.seq_of[g]], l, h // group, w.a.q + g * QW + h * hd,
+                                w.a.att + g * QW + h * hd, QW, nq, w.a.pos_of[g], m.window, sc)
                 elif nq == 1:
                     h = (r // ntiles) * group
-                    attend_group(K, &kvs[w.seq_of[g]], l, r // ntiles, w.q + g * QW + h * hd,
-                                 w.att + g * QW + h * hd, group, w.pos_of[g], m.window, sc)
+                    attend_group(K, &kvs[w.a.seq_of[g]], l, r // ntiles, w.a.q + g * QW + h * hd,
+                                 w.a.att + g * QW + h * hd, group, w.a.pos_of[g], m.window, sc)
                 else:
                     for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
-                        attend_tile(K, &kvs[w.seq_of[g]], l, h // group, w.q + g * QW + h * hd,
-                                    w.att + g * QW + h * hd, QW, nq, w.pos_of[g], m.window, sc)
+                        attend_tile(K, &kvs[w.a.seq_of[g]], l, h // group, w.a.q + g * QW + h * hd,
+                                    w.a.att + g * QW + h * hd, QW, nq, w.a.pos_of[g], m.window, sc)
         # output projection, residual, MLP rmsnorm
-        if gemm1(&L.o, lmode, w.att, QW, T, w.proj, H, &w.qs, nt) != 0:
+        if gemm1(&L.o, lmode, w.a.att, QW, T, w.a.proj, H, &w.a.qs, nt) != 0:
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
-            add_into(w.x + g * H, w.proj + g * H, H)
-            rmsnorm(w.x + g * H, w.xn + g * H, L.post_norm, H, m.eps)
+            add_into(w.a.x + g * H, w.a.proj + g * H, H)
+            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.post_norm, H, m.eps)
         # SwiGLU: silu(gate) * up, then down (its residual is added by the next layer)
-        if swiglu(&L.gate, &L.up, &L.down, lmode, w.xn, H, I, T, w.gate, w.up, w.proj, &w.qs, nt, ntT) != 0:
+        if swiglu(&L.gate, &L.up, &L.down, lmode, w.a.xn, H, I, T, w.a.gate, w.a.up, w.a.proj, &w.a.qs, nt, ntT) != 0:
             return NOMEM
     if n_out == 0:
         return OK
     # final residual, norm and head, only for the rows whose logits are wanted
-    rc = lm_head(&m.head, m.final_norm, m.eps, w.x, w.proj, out_rows, n_out, H, m.vocab, q8, w.head_in,
-                 logits, &w.qs, nt)
+    rc = lm_head(&m.head, m.final_norm, m.eps, w.a.x, w.a.proj, out_rows, n_out, H, m.vocab, q8, w.a.head_in,
+                 logits, &w.a.qs, nt)
     return OK if rc == 0 else (NOMEM if rc == -1 else NONFINITE)
 
 
@@ -712,10 +667,10 @@ cdef class DenseStepper(Stepper):
                 kv_paged(&self.kvs[r], self.k_pages, self.v_pages, run.blocks, self.n_pages, self.m.layers,
                          self.m.kv_heads, self.m.head_dim, kv_elem_bytes(self.m))
             for i in range(run.n):
-                self.w.seq_of[run.first + i] = <int>r
-                self.w.pos_of[run.first + i] = run.pos + i
+                self.w.a.seq_of[run.first + i] = <int>r
+                self.w.a.pos_of[run.first + i] = run.pos + i
             for i in range(run.n_out):
-                self.w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+                self.w.a.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
         self.w.prompt = b.prompt and self.m.prefill_bf16
-        return forward(self.m, &self.w, b.tokens, b.T, self.kvs, self.w.out_rows, n_out,
+        return forward(self.m, &self.w, b.tokens, b.T, self.kvs, self.w.a.out_rows, n_out,
                        b.logits, b.cancel)

@@ -67,6 +67,14 @@ cdef inline void rmsnorm(const float *x, float *out, const float *weight, size_t
         out[i] = (x[i] * scale) * weight[i]
 
 
+cdef inline void head_norms(float *x, size_t heads, size_t hd, const float *weight, float eps) noexcept nogil:
+    """RMSNorm of each of the `heads` rows of hd floats of x, in place (the
+    per-head q and k norms of Qwen3 and of Surjo's XSA)."""
+    cdef size_t h
+    for h in range(heads):
+        rmsnorm(x + h * hd, x + h * hd, weight, hd, eps)
+
+
 cdef inline void add_into(float *x, const float *y, size_t n) noexcept nogil:
     cdef size_t i
     for i in range(n):

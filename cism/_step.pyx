@@ -183,7 +183,7 @@ cdef class PyStepper(Stepper):
                 while stop < run.first + run.n and not (b.snap != NULL and b.snap[stop - 1] != NULL):
                     stop += 1
                 got = np.ascontiguousarray(self.forward_py(tokens[seg:stop], state), np.float32)
-                if got.shape[0] != stop - seg or got.shape[1] != V:
+                if <size_t>got.shape[0] != stop - seg or <size_t>got.shape[1] != V:
                     raise ValueError(f"forward_py returned logits of shape {(got.shape[0], got.shape[1])}, "
                                      f"expected {(stop - seg, V)}")
                 for g in range(max(seg, first_out), stop):

@@ -1,5 +1,6 @@
 """Surjo hybrid (XSA attention + Gated DeltaNet): packed weights, the forward
-pass over the execution plan, and sessions with speculative decoding.
+pass over the execution plan and its ragged step (SurjoStepper); the solo
+session with its neural drafter is cism._surjo_session.
 
 The forward function runs T tokens of one sequence plan step by plan step:
 every projection is one pass over its weight rows for all T tokens, while the
@@ -25,11 +26,12 @@ from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
-from cism._session cimport DecodeSession, MAX_K, run_chunks
+from cism._session cimport MAX_K
 from cism._step cimport Stepper, StepBatch, StepRun
 from cism._kvcache cimport KV, kv_alloc, kv_array, kv_cache_bytes, kv_free, kv_paged, kv_store
-from cism._attention cimport QTILE, attend_group, attend_tile, query_tiles
-from cism._layers cimport Rope, add_into, embed_rows, grow_f, lm_head, rmsnorm, rope_rotate, swiglu, team
+from cism._attention cimport QTILE, AttnWork, attend_group, attend_tile, attn_work_free, attn_work_reserve, query_tiles
+from cism._layers cimport (Rope, add_into, embed_rows, grow_f, head_norms, lm_head, rmsnorm, rope_rotate,
+                           swiglu, team)
 from cism.matrix cimport Scratch, gemm_multi, gemm1, scratch_free
 from cism.sampling cimport argmax
 from cism._status cimport OK, CANCELLED, NOMEM, NONFINITE, RUNNING, cism_flag_check
@@ -51,54 +53,6 @@ DEF CONV_BLOCK = 16
 
 # ----------------------------------------------------------------- model ---
 
-cdef struct Layer:
-    bint xsa
-    const float *input_norm    # (hidden,)
-    const float *post_norm     # (hidden,)
-    # XSA: q (H*Dh, D), k and v (Hkv*Dh, D), o (D, H*Dh).
-    # GDN: q and k (Kt, D), v (Vt, D), o (D, Vt).
-    cism_mat q, k, v, o
-    const float *q_norm        # XSA (Dh,)
-    const float *k_norm        # XSA (Dh,)
-    cism_mat b                 # GDN beta (Kt, D)
-    cism_mat w                 # GDN write gate (Vt, D)
-    cism_mat f0, f1            # GDN decay rate: (Dv, D), (Kt, Dv)
-    cism_mat g0, g1            # GDN output gate: (Dv, D), (Vt, Dv)
-    const float *q_conv        # GDN (Kt, W), tap W-1 multiplies the newest input
-    const float *k_conv        # GDN (Kt, W)
-    const float *v_conv        # GDN (Vt, W)
-    const float *a_exp         # GDN (H,) exp(A_log)
-    const float *dt_bias       # GDN (Kt,)
-    const float *g_bias        # GDN (Vt,)
-    const float *o_norm        # GDN (Dv,)
-    cism_mat gate, up, down    # SwiGLU MLP (F, D), (F, D), (D, F)
-
-
-cdef struct Step:
-    size_t layer
-    size_t pass_
-    int slot                   # XSA KV slot, or -1
-    int state                  # GDN state index, or -1
-
-
-cdef struct ModelC:
-    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
-    size_t v_heads, k_dim, v_dim, key_total, value_total, conv, fifo   # fifo = conv - 1
-    size_t state_len           # floats of one GDN state incl. its FIFOs
-    float eps
-    bint xsa_projection
-    Layer *layer
-    Step *plan
-    size_t n_steps, n_slots, n_states
-    cism_mat embed
-    cism_mat head              # the embedding again when tied
-    const float *final_norm
-    Rope rope
-    int threads
-    bint act_q8
-    bint kv_f16                # XSA slots hold binary16 (kv_precision "fp16")
-
-
 # Order of the GDN projections sharing the normalized input (one gemm_multi).
 DEF GDN_Q = 0
 DEF GDN_K = 1
@@ -117,8 +71,6 @@ cdef class SurjoModel(WeightStore):
     Attention and GDN projections, the embedding and the head use the protected
     storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
     """
-    cdef ModelC c
-    cdef size_t stream_bytes_
 
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
@@ -240,6 +192,7 @@ cdef class SurjoModel(WeightStore):
         self.c.n_states = state
 
     def session_class(self):
+        from cism._surjo_session import Session
         return Session
 
     def stepper_class(self):
@@ -284,94 +237,28 @@ cdef class SurjoModel(WeightStore):
 
 # ----------------------------------------------------------- forward pass ---
 
-cdef struct State:
-    # Everything a sequence carries between tokens.
-    KV kv                      # the XSA slots' rotated keys and values: a KV
-                               #   cache (cism/_kvcache.pxd) with one "layer" per slot
-    float *rec                 # (states, state_len): per GDN (layer, pass)
-                               #   S (Hv, K, Dv), then FIFOs q (Kt, W-1), k (Kt, W-1), v (Vt, W-1)
-
-
-cdef struct Work:
-    # token-major scratch for up to tokens_cap tokens
-    float *x        # (T, hidden) residual stream
-    float *xn       # (T, hidden) normalized
-    float *proj     # (T, hidden) mixer / MLP output
-    float *q        # (T, q_width)   XSA
-    float *k        # (T, kv_width)
-    float *v        # (T, kv_width)
-    float *att      # (T, q_width)
-    float *gq       # (T, Kt)        GDN q, conv'd in place
-    float *gk       # (T, Kt)
-    float *gv       # (T, Vt)
-    float *gb       # (T, Kt)        beta
-    float *gw       # (T, Vt)        write gate
-    float *gf       # (T, Kt)        decay rate, then decay
-    float *gg       # (T, Vt)        output gate logits
-    float *go       # (T, Vt)        GDN output
-    float *fmid     # (T, Dv)
-    float *gmid     # (T, Dv)
-    float *gate     # (T, inter)
-    float *up       # (T, inter)
-    float *head_in  # (n_out, hidden) final-normed rows that need logits
-    float *scores   # (threads, QTILE * score_cap) scores of one query tile per thread
-    float *rope     # (threads, head_dim) cos/sin beyond the table
-    float *delta    # (threads, 2 * Dv) delta-rule read and update vectors
-    size_t *out_rows  # (T,) the tokens whose logits are wanted, in row order
-    int *seq_of     # (T,) the run (sequence) of each token
-    size_t *pos_of  # (T,) the position of each token
-    size_t *tile_of # (T,) first token of each attention query tile
-    float **snapp   # (T,) a session's snapshot targets (unused: NULLs)
-    size_t tokens_cap, score_cap, out_cap, threads_cap
-    Scratch qs
-
-
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
-    cdef size_t nt = m.threads
     cdef size_t kt = m.key_total, vt = m.value_total
-    # a cap is zeroed before its buffers are replaced, so a failed grow
-    # leaves nothing that a later, smaller call could mistake for room
-    if T > w.tokens_cap:
-        w.tokens_cap = 0
-        if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.proj, T * m.hidden)
-                or grow_f(&w.q, T * m.q_width) or grow_f(&w.k, T * m.kv_width)
-                or grow_f(&w.v, T * m.kv_width) or grow_f(&w.att, T * m.q_width)
-                or grow_f(&w.gq, T * kt) or grow_f(&w.gk, T * kt) or grow_f(&w.gv, T * vt)
+    # the GDN buffers first: attn_work_reserve raises the caps they share
+    if T > w.a.tokens_cap:
+        w.a.tokens_cap = 0
+        if (grow_f(&w.gq, T * kt) or grow_f(&w.gk, T * kt) or grow_f(&w.gv, T * vt)
                 or grow_f(&w.gb, T * kt) or grow_f(&w.gw, T * vt) or grow_f(&w.gf, T * kt)
                 or grow_f(&w.gg, T * vt) or grow_f(&w.go, T * vt)
-                or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)
-                or grow_f(&w.gate, T * m.inter) or grow_f(&w.up, T * m.inter)):
+                or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)):
             return -1
-        w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
-        w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
-        w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
-        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
-        if w.out_rows == NULL or w.seq_of == NULL or w.pos_of == NULL or w.tile_of == NULL:
+    if S > w.a.score_cap or <size_t>m.threads > w.a.threads_cap:
+        w.a.score_cap = 0
+        if grow_f(&w.delta, m.threads * 2 * m.v_dim):
             return -1
-        w.tokens_cap = T
-    if n_out > w.out_cap:
-        w.out_cap = 0
-        if grow_f(&w.head_in, n_out * m.hidden):
-            return -1
-        w.out_cap = n_out
-    if S > w.score_cap or nt > w.threads_cap:
-        w.score_cap = 0
-        w.threads_cap = 0
-        if (grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * m.head_dim)
-                or grow_f(&w.delta, nt * 2 * m.v_dim)):
-            return -1
-        w.score_cap = S
-        w.threads_cap = nt
-    return 0
+    return attn_work_reserve(&w.a, T, S, n_out, m.hidden, m.inter, m.q_width, m.kv_width, m.head_dim,
+                             m.threads)
 
 
 cdef void work_free(Work *w) noexcept nogil:
-    free(w.x); free(w.xn); free(w.proj); free(w.q); free(w.k); free(w.v); free(w.att)
+    attn_work_free(&w.a)
     free(w.gq); free(w.gk); free(w.gv); free(w.gb); free(w.gw); free(w.gf); free(w.gg); free(w.go)
-    free(w.fmid); free(w.gmid); free(w.gate); free(w.up); free(w.head_in)
-    free(w.scores); free(w.rope); free(w.delta); free(w.out_rows)
-    free(w.seq_of); free(w.pos_of); free(w.tile_of)
-    scratch_free(&w.qs)
+    free(w.fmid); free(w.gmid); free(w.delta)
     memset(w, 0, sizeof(Work))
 
 
@@ -400,15 +287,13 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const KV *kv, s
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
     cdef const cism_kernels *K = kernel_table()
     cdef size_t hd = m.head_dim, h
-    cdef float *q = w.q + g * m.q_width
-    cdef float *k = w.k + g * m.kv_width
-    for h in range(m.heads):
-        rmsnorm(q + h * hd, q + h * hd, L.q_norm, hd, m.eps)
+    cdef float *q = w.a.q + g * m.q_width
+    cdef float *k = w.a.k + g * m.kv_width
+    head_norms(q, m.heads, hd, L.q_norm, m.eps)
+    head_norms(k, m.kv_heads, hd, L.k_norm, m.eps)
+    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.a.rope + tid * hd)
     for h in range(m.kv_heads):
-        rmsnorm(k + h * hd, k + h * hd, L.k_norm, hd, m.eps)
-    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.rope + tid * hd)
-    for h in range(m.kv_heads):
-        kv_store(K, kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+        kv_store(K, kv, slot, h, pos, k + h * hd, w.a.v + g * m.kv_width + h * hd)
 
 
 cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
@@ -416,7 +301,7 @@ cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out
     head of KV head kvh and token g's own value v of that head, the dot
     products in double (the spec's order)."""
     cdef size_t hd = m.head_dim, j
-    cdef const float *vv = w.v + g * m.kv_width + kvh * hd
+    cdef const float *vv = w.a.v + g * m.kv_width + kvh * hd
     cdef double av = 0, vv2 = 0
     cdef float coef
     for j in range(hd):
@@ -437,8 +322,8 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *
     token's own value vector of that KV head."""
     cdef size_t hd = m.head_dim, QW = m.q_width, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef float *out = w.att + g0 * QW + h * hd
-    attend_tile(K, kv, slot, kvh, w.q + g0 * QW + h * hd, out, QW, nq, p0, 0, sc)
+    cdef float *out = w.a.att + g0 * QW + h * hd
+    attend_tile(K, kv, slot, kvh, w.a.q + g0 * QW + h * hd, out, QW, nq, p0, 0, sc)
     if m.xsa_projection:
         for i in range(nq):
             xsa_project(m, w, g0 + i, kvh, out + i * QW)
@@ -451,8 +336,8 @@ cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, cons
     head with exactly xsa_attend's arithmetic for it alone, then the
     projection of each head's output."""
     cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, j
-    cdef float *out = w.att + g * m.q_width + kvh * G * hd
-    attend_group(K, kv, slot, kvh, w.q + g * m.q_width + kvh * G * hd, out, G, p, 0, sc)
+    cdef float *out = w.a.att + g * m.q_width + kvh * G * hd
+    attend_group(K, kv, slot, kvh, w.a.q + g * m.q_width + kvh * G * hd, out, G, p, 0, sc)
     if m.xsa_projection:
         for j in range(G):
             xsa_project(m, w, g, kvh, out + j * hd)
@@ -622,15 +507,15 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     for r in range(R):
         run = &b.runs[r]
         for i in range(run.n):
-            w.seq_of[run.first + i] = <int>r
-            w.pos_of[run.first + i] = run.pos + i
+            w.a.seq_of[run.first + i] = <int>r
+            w.a.pos_of[run.first + i] = run.pos + i
         for i in range(run.n_out):
-            w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
-    ntiles = query_tiles(w.tile_of, w.seq_of, w.pos_of, T)
+            w.a.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+    ntiles = query_tiles(w.a.tile_of, w.a.seq_of, w.a.pos_of, T)
     per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
     items = ntiles * per_tile
     ntH = team(nt, items, T * m.heads * S * m.head_dim)
-    embed_rows(&m.embed, b.tokens, T, w.x, D, ntT)
+    embed_rows(&m.embed, b.tokens, T, w.a.x, D, ntT)
     for si in range(m.n_steps):
         if skip != NULL and skip[si]:
             continue
@@ -639,37 +524,37 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         L = &m.layer[m.plan[si].layer]
         # mixer rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
-            rmsnorm(w.x + g * D, w.xn + g * D, L.input_norm, D, m.eps)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.input_norm, D, m.eps)
         if L.xsa:
             slot = m.plan[si].slot
             # q, k, v projections in one pass over their rows
             mats[0], mats[1], mats[2] = &L.q, &L.k, &L.v
-            outs[0], outs[1], outs[2] = w.q, w.k, w.v
+            outs[0], outs[1], outs[2] = w.a.q, w.a.k, w.a.v
             lds[0], lds[1], lds[2] = QW, KW, KW
-            if gemm_multi(mats, outs, lds, 3, q8, w.xn, D, T, &w.qs, nt) != 0:
+            if gemm_multi(mats, outs, lds, 3, q8, w.a.xn, D, T, &w.a.qs, nt) != 0:
                 return NOMEM
             # q/k norms, rotate, store k and v in this execution's slot
             for g in prange(T, num_threads=ntT, schedule='static'):
-                xsa_qk_store(m, w, L, &kvs[w.seq_of[g]], slot, g, w.pos_of[g], threadid())
+                xsa_qk_store(m, w, L, &kvs[w.a.seq_of[g]], slot, g, w.a.pos_of[g], threadid())
             # causal GQA attention and the value projection: one (query tile,
             # KV group) per item, a lone query's heads of the group together;
             # with fewer than two groups per thread, one (tile, head) per item.
             # Later tiles see more positions, hence the dynamic schedule; KV
             # group first, so consecutive items read the same keys and values.
             for r in prange(items, num_threads=ntH, schedule='dynamic'):
-                g = w.tile_of[r % ntiles]
-                nq = (w.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
+                g = w.a.tile_of[r % ntiles]
+                nq = (w.a.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
                 if per_tile == m.heads:
-                    xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, r // ntiles, w.pos_of[g],
-                               w.scores + threadid() * QTILE * w.score_cap)
+                    xsa_attend(m, K, w, &kvs[w.a.seq_of[g]], slot, g, nq, r // ntiles, w.a.pos_of[g],
+                               w.a.scores + threadid() * QTILE * w.a.score_cap)
                 elif nq == 1:
-                    xsa_attend_group(m, K, w, &kvs[w.seq_of[g]], slot, g, r // ntiles, w.pos_of[g],
-                                     w.scores + threadid() * QTILE * w.score_cap)
+                    xsa_attend_group(m, K, w, &kvs[w.a.seq_of[g]], slot, g, r // ntiles, w.a.pos_of[g],
+                                     w.a.scores + threadid() * QTILE * w.a.score_cap)
                 else:
                     for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
-                        xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, h, w.pos_of[g],
-                                   w.scores + threadid() * QTILE * w.score_cap)
-            if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
+                        xsa_attend(m, K, w, &kvs[w.a.seq_of[g]], slot, g, nq, h, w.a.pos_of[g],
+                                   w.a.scores + threadid() * QTILE * w.a.score_cap)
+            if gemm1(&L.o, q8, w.a.att, QW, T, w.a.proj, D, &w.a.qs, nt) != 0:
                 return NOMEM
         else:
             st_index = <size_t>m.plan[si].state
@@ -680,12 +565,12 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
             outs[GDN_B], outs[GDN_W], outs[GDN_F0], outs[GDN_G0] = w.gb, w.gw, w.fmid, w.gmid
             lds[GDN_Q], lds[GDN_K], lds[GDN_V] = KT, KT, VT
             lds[GDN_B], lds[GDN_W], lds[GDN_F0], lds[GDN_G0] = KT, VT, DV, DV
-            if gemm_multi(mats, outs, lds, 7, q8, w.xn, D, T, &w.qs, nt) != 0:
+            if gemm_multi(mats, outs, lds, 7, q8, w.a.xn, D, T, &w.a.qs, nt) != 0:
                 return NOMEM
             # decay-rate and output-gate up-projections
-            if gemm1(&L.f1, q8, w.fmid, DV, T, w.gf, KT, &w.qs, nt) != 0:
+            if gemm1(&L.f1, q8, w.fmid, DV, T, w.gf, KT, &w.a.qs, nt) != 0:
                 return NOMEM
-            if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.qs, nt) != 0:
+            if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.a.qs, nt) != 0:
                 return NOMEM
             # causal conv with each sequence's FIFOs of this (layer, pass), channels in parallel
             for r in prange(R * nconv, num_threads=ntC, schedule='static'):
@@ -701,22 +586,22 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
                          b.runs[r // m.v_heads].first, b.runs[r // m.v_heads].n,
                          w.delta + threadid() * 2 * DV, b.snap,
                          st_index * m.state_len + (r % m.v_heads) * m.k_dim * DV)
-            if gemm1(&L.o, q8, w.go, VT, T, w.proj, D, &w.qs, nt) != 0:
+            if gemm1(&L.o, q8, w.go, VT, T, w.a.proj, D, &w.a.qs, nt) != 0:
                 return NOMEM
         # residual, MLP rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
-            add_into(w.x + g * D, w.proj + g * D, D)
-            rmsnorm(w.x + g * D, w.xn + g * D, L.post_norm, D, m.eps)
+            add_into(w.a.x + g * D, w.a.proj + g * D, D)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.post_norm, D, m.eps)
         # SwiGLU: silu(gate) * up, then down, residual
-        if swiglu(&L.gate, &L.up, &L.down, q8, w.xn, D, I, T, w.gate, w.up, w.proj, &w.qs, nt, ntT) != 0:
+        if swiglu(&L.gate, &L.up, &L.down, q8, w.a.xn, D, I, T, w.a.gate, w.a.up, w.a.proj, &w.a.qs, nt, ntT) != 0:
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
-            add_into(w.x + g * D, w.proj + g * D, D)
+            add_into(w.a.x + g * D, w.a.proj + g * D, D)
     if n_out == 0:
         return OK
     # final norm and head, only for the rows whose logits are wanted
-    rc = lm_head(&m.head, m.final_norm, m.eps, w.x, NULL, w.out_rows, n_out, D, m.vocab, q8, w.head_in,
-                 b.logits, &w.qs, nt)
+    rc = lm_head(&m.head, m.final_norm, m.eps, w.a.x, NULL, w.a.out_rows, n_out, D, m.vocab, q8, w.a.head_in,
+                 b.logits, &w.a.qs, nt)
     return OK if rc == 0 else (NOMEM if rc == -1 else NONFINITE)
 
 
@@ -750,9 +635,6 @@ cdef class SurjoStepper(Stepper):
     sequence's XSA keys and values in pool pages (one "layer" per slot) or
     in its own slots, its GDN states and conv FIFOs in its own recurrent
     state."""
-    cdef const ModelC *m
-    cdef Work w
-    cdef const uint8_t *skip     # plan steps left out (the neural drafter), or NULL
 
     def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
@@ -794,193 +676,3 @@ cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
     if state_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
                          "XSA keys/values and GDN states)")
-
-
-cdef class Session(DecodeSession):
-    """One generation over a Surjo model: its own XSA KV slots
-    ``(slots, capacity, kv_width)``, GDN states and conv FIFOs."""
-    cdef SurjoModel model
-    cdef const ModelC *m
-    cdef SurjoStepper xs         # the stepper, typed (the neural drafter's skip)
-    cdef State st
-    cdef float *ckpt             # (states, state_len) recurrent checkpoint
-    cdef float *draft_logits     # (vocab,) the neural drafter's own logits
-    cdef uint8_t *skip           # (steps,) plan steps the neural drafter leaves out
-    cdef bint draft_armed
-
-    def __cinit__(self, *args, **kwargs):
-        memset(&self.st, 0, sizeof(State))
-        self.ckpt = NULL
-        self.draft_logits = NULL
-        self.skip = NULL
-
-    def __init__(self, SurjoModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        self.model = model
-        self.m = &model.c
-        self.xs = SurjoStepper(model)
-        self.stepper = self.xs
-        p = as_tokens(prompt, model.c.vocab)
-        check_capacity(self.m, len(p), check_count(max_new_tokens, "max_new_tokens"))
-        self.setup(p, 0, model.c.vocab, model.c.context, max_new_tokens, temperature, top_p,
-                   top_k, seed, eos, min_p, repetition_penalty)
-        self.skip = <uint8_t*>calloc(self.m.n_steps + 1, 1)
-        if self.skip == NULL:
-            raise MemoryError("cannot allocate session state")
-
-    def __dealloc__(self):
-        state_free(&self.st)
-        free(self.ckpt)
-        free(self.draft_logits)
-        free(self.skip)
-
-    # ---- hooks of the decoding loop ----
-
-    cdef int alloc(self) noexcept nogil:
-        if state_alloc(&self.st, self.m, self.s.capacity) != OK:
-            return NOMEM
-        self.one.kv = &self.st.kv
-        self.one.state = self.st.rec
-        if self.ckpt == NULL:
-            self.ckpt = <float*>malloc((self.m.n_states * self.m.state_len + 16) * sizeof(float))
-            if self.ckpt == NULL:
-                return NOMEM
-        return OK
-
-    # run() is the stepper's forward over these slots and states; with rows
-    # (a verification block) the live logits stay untouched.
-
-    cdef int block_begin(self, size_t ncand) noexcept nogil:
-        # the recurrence cannot be rolled back: checkpoint GDN states and FIFOs.
-        # The XSA key/value tail needs no checkpoint: rows past the position are
-        # rewritten before any query reads them (a deviation from the spec).
-        self.save_states(False)
-        return OK
-
-    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
-        """Restore the checkpoint and replay the first j drafts (bit for bit
-        what the block computed for them)."""
-        if j == ncand:
-            return OK
-        self.restore_states(False)
-        self.s.position = self.block_pos
-        # (the replay's last logits equal the block's row j-1, which step() copies)
-        return run_chunks(self.stepper, &self.one, &self.s, self.cands, j, NULL, self.s.logits, NULL,
-                          &self.cancelled)
-
-    cdef int fallback_draft(self, size_t k, size_t *ncand) noexcept nogil:
-        ncand[0] = 0
-        if not self.draft_armed:
-            return OK
-        return self.neural(k, ncand)
-
-    cdef void save_states(self, bint only_drafted) noexcept nogil:
-        """Copy the GDN states and FIFOs to the checkpoint (only_drafted: just
-        those the neural drafter will advance)."""
-        cdef size_t i, n = self.m.state_len
-        cdef int g
-        if not only_drafted:
-            memcpy(self.ckpt, self.st.rec, self.m.n_states * n * sizeof(float))
-            return
-        for i in range(self.m.n_steps):
-            g = self.m.plan[i].state
-            if g >= 0 and not self.skip[i]:
-                memcpy(self.ckpt + g * n, self.st.rec + g * n, n * sizeof(float))
-
-    cdef void restore_states(self, bint only_drafted) noexcept nogil:
-        cdef size_t i, n = self.m.state_len
-        cdef int g
-        if not only_drafted:
-            memcpy(self.st.rec, self.ckpt, self.m.n_states * n * sizeof(float))
-            return
-        for i in range(self.m.n_steps):
-            g = self.m.plan[i].state
-            if g >= 0 and not self.skip[i]:
-                memcpy(self.st.rec + g * n, self.ckpt + g * n, n * sizeof(float))
-
-    cdef int neural(self, size_t k, size_t *ncand) noexcept nogil:
-        """Draft up to k tokens into cands: the head is the argmax of the live
-        logits, then the model with the skipped plan steps runs greedily on its
-        own guesses. Every state it touches is restored before returning.
-        XSA keys/values written past the position need no restoring: a position
-        is always written before any query reads it."""
-        cdef size_t n = 0, pos = self.s.position
-        cdef int rc = OK
-        ncand[0] = 0
-        if k < 2:
-            return OK
-        if k > MAX_K:
-            k = MAX_K
-        if self.draft_logits == NULL:
-            self.draft_logits = <float*>malloc(self.m.vocab * sizeof(float))
-            if self.draft_logits == NULL:
-                return NOMEM
-        self.cands[0] = <int64_t>argmax(self.s.logits, self.m.vocab)
-        n = 1
-        self.save_states(True)
-        self.xs.skip = self.skip
-        while n < k and self.s.position < self.s.capacity:
-            if params_eos(&self.p, self.cands[n - 1]):
-                break
-            rc = run_chunks(self.stepper, &self.one, &self.s, &self.cands[n - 1], 1, NULL, self.draft_logits,
-                            NULL, &self.cancelled)
-            if rc != OK:
-                break
-            self.cands[n] = <int64_t>argmax(self.draft_logits, self.m.vocab)
-            n += 1
-        self.xs.skip = NULL
-        self.restore_states(True)
-        self.s.position = pos
-        ncand[0] = n
-        return rc
-
-    # ---- Surjo-specific API ----
-
-    def set_draft_steps(self, steps):
-        """Arm the neural drafter with the plan steps it leaves out (indices
-        into Model.plan; an empty list drafts with the whole model), or disarm
-        it with None. next_tokens(spec_k=...) uses it when prompt lookup finds
-        nothing; verification keeps the output exactly greedy."""
-        cdef size_t i
-        if steps is None:
-            with self.lock:
-                self.draft_armed = False
-                memset(self.skip, 0, self.m.n_steps)
-            return
-        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
-            raise ValueError("draft steps must be a sequence of plan step indices")
-        chosen = list(steps)
-        for step in chosen:
-            if not is_int(step) or not 0 <= step < self.m.n_steps:
-                raise ValueError(f"draft step out of range: {step!r} (the plan has "
-                                 f"{self.m.n_steps} steps)")
-        with self.lock:
-            memset(self.skip, 0, self.m.n_steps)
-            for step in chosen:
-                self.skip[<size_t>step] = 1
-            self.draft_armed = True
-
-    @property
-    def draft_steps(self):
-        """The plan steps the neural drafter leaves out, or None when disarmed."""
-        if not self.draft_armed:
-            return None
-        return [i for i in range(self.m.n_steps) if self.skip[i]]
-
-    def neural_draft(self, k):
-        """Up to k (<= 16) draft tokens from the neural drafter (the steps of
-        set_draft_steps left out; none when it was never armed), leaving the
-        session's state exactly as it was. Drafts are greedy; fewer than 2
-        tokens are never drafted (the spec returns none for k < 2)."""
-        k = min(check_count(k, "k"), MAX_K)
-        cdef size_t kk = k, n = 0, i
-        cdef int rc
-        with self.lock:
-            if self.s.finish != RUNNING:
-                return []
-            with nogil:
-                rc = self.run_prompt()
-                if rc == OK:
-                    rc = self.neural(kk, &n)
-            self.finish_call(rc)
-            return [self.cands[i] for i in range(n)]

@@ -40,7 +40,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from cism import _config as C
-from cism._surjo import Session, SurjoModel  # noqa: F401
+from cism._surjo import SurjoModel  # noqa: F401
+from cism._surjo_session import Session  # noqa: F401
 from cism.generation import GenerationMixin
 
 # Bound on recurrent_passes: the spec has none, but the plan (and every state)
