@@ -160,16 +160,21 @@ EXTENSIONS = [
     # flags (which nothing reads) may differ.
     extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"], ["-fno-trapping-math"]),
     extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
-    extension("cism._common", ["cism/_common.pyx"]),
+    extension("cism._status", ["cism/_status.pyx"]),
+    extension("cism._checks", ["cism/_checks.pyx"]),
     extension("cism._weights", ["cism/_weights.pyx"]),
+    extension("cism._step", ["cism/_step.pyx"]),
     extension("cism._session", ["cism/_session.pyx"]),
     extension("cism.paging", ["cism/paging.pyx"]),
+    extension("cism._paged", ["cism/_paged.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),
     extension("cism._surjo", ["cism/_surjo.pyx"]),
-    extension("cism._step", ["cism/_step.pyx"]),
+    extension("cism._surjo_session", ["cism/_surjo_session.pyx"]),
     extension("cism._prefix", ["cism/_prefix.pyx"]),
+    extension("cism._requests", ["cism/_requests.pyx"]),
     extension("cism._engine", ["cism/_engine.pyx"]),
+    extension("cism._batch", ["cism/_batch.pyx"]),
 ]
 
 DIRECTIVES = {
