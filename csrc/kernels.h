@@ -158,7 +158,7 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_q4k_q8;                /* q4_k weights x q8 activations */
     cism_gemm_fn gemm_q6k_q8;                /* q6_k weights x q8 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
-     * in the hardware's order; see gemm_amx.c). NULL below the amx level
+     * in the hardware's order; see gemm/gemm_amx.c). NULL below the amx level
      * (no AMX, not granted, or capped): callers keep the canonical kernels. */
     cism_gemm_fn gemm_bf16;
     cism_pack_bf16_fn pack_bf16;
@@ -205,12 +205,28 @@ const char *cism_isa_error(void);
 int cism_set_isa(int level);
 
 /* Table fillers, one per family and ISA, each in its own translation unit
- * compiled with only that ISA's flags. */
+ * (csrc/<family>/<family>_<isa>.c) compiled with only that ISA's flags:
+ *   gemm     fp32 activations, every storage (gemm[]); at amx the opt-in
+ *            bf16 precision (gemm_bf16, pack_bf16)
+ *   gemm_q8  integer weights x q8 activations (gemm_*_q8)
+ *   attn     dot, axpy, axpy_tile(_h), scores16(_h)
+ *   convert  to_f16, quant8
+ *   act      the vector activations, softmax, argmax */
 void cism_fill_gemm_ref(cism_kernels *k);
 void cism_fill_gemm_avx2(cism_kernels *k);
 void cism_fill_gemm_avx512(cism_kernels *k);
-void cism_fill_gemm_avx512vnni(cism_kernels *k);
 void cism_fill_gemm_amx(cism_kernels *k);
+void cism_fill_gemm_q8_ref(cism_kernels *k);
+void cism_fill_gemm_q8_avx2(cism_kernels *k);
+void cism_fill_gemm_q8_avx512(cism_kernels *k);
+void cism_fill_gemm_q8_avx512vnni(cism_kernels *k);
+void cism_fill_gemm_q8_amx(cism_kernels *k);
+void cism_fill_attn_ref(cism_kernels *k);
+void cism_fill_attn_avx2(cism_kernels *k);
+void cism_fill_attn_avx512(cism_kernels *k);
+void cism_fill_convert_ref(cism_kernels *k);
+void cism_fill_convert_avx2(cism_kernels *k);
+void cism_fill_convert_avx512(cism_kernels *k);
 void cism_fill_act_ref(cism_kernels *k);
 void cism_fill_act_avx2(cism_kernels *k);
 void cism_fill_act_avx512(cism_kernels *k);

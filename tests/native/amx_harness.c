@@ -1,11 +1,11 @@
-/* The AMX kernels of csrc/gemm/gemm_amx.c over the emulated tile unit of
+/* The AMX kernels of csrc/gemm_q8/gemm_q8_amx.c over the emulated tile unit of
  * amx_emulate.h, for tests/test_amx_emulated.py (built there with gcc and
  * loaded with ctypes). */
 #include <immintrin.h>
 
 #include "amx_emulate.h"
 
-#include "../../csrc/gemm/gemm_amx.c"
+#include "../../csrc/gemm_q8/gemm_q8_amx.c"
 #include "../../csrc/scratch.c"
 
 static cism_kernels table;
@@ -17,7 +17,7 @@ static cism_kernels table;
 int cism_emu_gemm_q8(int storage, const void *codes, size_t rows, size_t cols, size_t row_bytes,
                      size_t scale_offset, const float *row_scales, const int8_t *q8, const float *qscale,
                      size_t ldq, size_t ldqs, size_t T, size_t r0, size_t r1, float *Y) {
-    cism_fill_gemm_amx(&table);
+    cism_fill_gemm_q8_amx(&table);
     const cism_mat W = {storage, rows, cols, codes, row_bytes, scale_offset, row_scales};
     int err = 0;
     cism_act A;
