@@ -51,20 +51,21 @@ ISA_FLAGS = {
             "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mgfni", "-mavx512bf16",
             "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
+# Kernel families: one folder each, one file per ISA it has a variant for
+# (csrc/<family>/<family>_<isa>.c); the SIMD helpers the files share are
+# headers in csrc/ (csrc/kernels.h lists what each family holds).
+KERNEL_FAMILIES = {
+    # fp32 activations; avx512bf16 and amx: the opt-in bf16 precision
+    "gemm": ["ref", "avx2", "avx512", "avx512bf16", "amx"],
+    "gemm_q8": ["ref", "avx2", "avx512", "avx512vnni", "amx"],  # integer weights x q8
+    "attn": ["ref", "avx2", "avx512"],
+    "convert": ["ref", "avx2", "avx512"],
+    "act": ["ref", "avx2", "avx512"],
+}
 # Kernel sources: (path, ISA). x86 variants are skipped on other machines.
-KERNEL_SOURCES = [
-    ("csrc/gemm/gemm_ref.c", "ref"),
-    ("csrc/gemm/gemm_avx2.c", "avx2"),
-    ("csrc/gemm/gemm_avx512.c", "avx512"),
-    ("csrc/gemm/gemm_avx512vnni.c", "avx512vnni"),
-    ("csrc/gemm/gemm_amx.c", "amx"),
-    ("csrc/gemm/gemm_bf16_avx512.c", "avx512bf16"),
-    ("csrc/act/act_ref.c", "ref"),
-    ("csrc/act/act_avx2.c", "avx2"),
-    ("csrc/act/act_avx512.c", "avx512"),
-    ("csrc/dispatch.c", "ref"),
-    ("csrc/scratch.c", "ref"),
-]
+KERNEL_SOURCES = [(f"csrc/{family}/{family}_{isa}.c", isa)
+                  for family, isas in KERNEL_FAMILIES.items() for isa in isas]
+KERNEL_SOURCES += [("csrc/dispatch.c", "ref"), ("csrc/scratch.c", "ref")]
 # Every shared header: a change to any of them rebuilds what includes it
 # (flag.h and memscan.h are included by Cython modules, not only by kernels).
 HEADERS = sorted(glob.glob(os.path.join("csrc", "*.h")))
@@ -160,16 +161,21 @@ EXTENSIONS = [
     # flags (which nothing reads) may differ.
     extension("cism.matrix", ["cism/matrix.pyx", "csrc/pack.c"], ["-fno-trapping-math"]),
     extension("cism.sampling", ["cism/sampling.pyx", "csrc/sample.c"]),
-    extension("cism._common", ["cism/_common.pyx"]),
+    extension("cism._status", ["cism/_status.pyx"]),
+    extension("cism._checks", ["cism/_checks.pyx"]),
     extension("cism._weights", ["cism/_weights.pyx"]),
+    extension("cism._step", ["cism/_step.pyx"]),
     extension("cism._session", ["cism/_session.pyx"]),
     extension("cism.paging", ["cism/paging.pyx"]),
+    extension("cism._paged", ["cism/_paged.pyx"]),
     extension("cism._dense", ["cism/_dense.pyx"]),
     extension("cism._fwkv", ["cism/_fwkv.pyx"]),
     extension("cism._surjo", ["cism/_surjo.pyx"]),
-    extension("cism._step", ["cism/_step.pyx"]),
+    extension("cism._surjo_session", ["cism/_surjo_session.pyx"]),
     extension("cism._prefix", ["cism/_prefix.pyx"]),
+    extension("cism._requests", ["cism/_requests.pyx"]),
     extension("cism._engine", ["cism/_engine.pyx"]),
+    extension("cism._batch", ["cism/_batch.pyx"]),
 ]
 
 DIRECTIVES = {

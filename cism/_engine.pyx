@@ -19,150 +19,23 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcmp, memcpy, memset
 
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL, Params,
-                           as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy,
+from cism._status cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL,
                            cism_flag_get, cism_flag_set, cism_flag_check)
-from cism._nn cimport all_finite_f, grow_f
+from cism._checks cimport Params, as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy
+from cism._layers cimport all_finite_f, grow_f
 from cism._session cimport SeqCore, core_alloc, core_free, core_account, MAX_K
-from cism._step cimport Stepper, StepBatch, StepRun
+from cism._requests cimport ACTIVE, DONE, MAX_TOP, WAITING, Job, Seq, run_job
+from cism._step cimport Stepper, StepBatch, StepRun, forward_split_prompts
 from cism.sampling cimport (cism_knobs, cism_mt64, cism_sampler, argmax, choose_token,
                             draft_tokens, token_logprobs)
 from cism._prefix cimport PrefixCache, Entry
 
-from cism._common import FINISH_NAMES
+from cism._status import FINISH_NAMES
 from cism.paging import OutOfBlocks
 
 cnp.import_array()
 
 DEF BLOCK = 16
-
-# Phases of a request.
-cdef enum:
-    WAITING = 0     # queued, or preempted: holds no blocks and no state
-    ACTIVE = 1      # admitted: holds blocks and state, runs in steps
-    DONE = 2
-
-DEF MAX_TOP = 20   # top logprobs per token, at most
-
-
-cdef class Seq:
-    """One request inside the core: its tokens, sampling state and resources."""
-    cdef readonly object handle       # what the caller holds (cism.engine.Request)
-    cdef readonly long long req_id
-    cdef readonly int priority
-    cdef readonly long long arrival
-    cdef readonly long long since     # the engine's step count when it arrived (aging)
-    cdef readonly int phase
-    cdef SeqCore s                    # history = prompt + generated; position = tokens run
-    cdef Params p
-    cdef readonly size_t vocab
-    cdef readonly size_t spec_k
-    cdef public size_t hold           # no token is chosen once generated reaches it (BatchSession)
-    cdef readonly size_t top_n        # top logprobs per token
-    cdef readonly bint want_lp
-    cdef int cancel_flag
-    cdef size_t *blocks               # its block table, mirrored from the pool
-    cdef size_t n_blocks, blocks_cap
-    cdef float *state                 # recurrent state (Surjo, FWKV)
-    cdef list keys                    # prefix-cache keys of its leading full blocks
-    cdef readonly size_t cached_tokens, preemptions, recomputed_tokens
-    cdef readonly object error
-    cdef readonly Seq leader          # a request with the same prompt it forks from once prefilled
-    cdef list followers               # requests waiting to fork from this one
-    # this step
-    cdef size_t run_n, run_first, run_pos, out_row, n_drafts, snap_first
-    cdef int64_t drafts[MAX_K]
-    cdef bint in_step
-
-    def __cinit__(self):
-        memset(&self.s, 0, sizeof(SeqCore))
-        memset(&self.p, 0, sizeof(Params))
-        self.blocks = NULL
-        self.state = NULL
-
-    def __dealloc__(self):
-        core_free(&self.s)
-        free(self.p.eos)
-        free(self.blocks)
-        free(self.state)
-
-    @property
-    def position(self):
-        return self.s.position
-
-    @property
-    def history(self):
-        return [self.s.history[i] for i in range(self.s.hist_len)]
-
-    @property
-    def generated(self):
-        return self.s.generated
-
-    @property
-    def prompt_len(self):
-        return self.s.prompt_end
-
-    @property
-    def last_logits(self):
-        """The logits of its latest forward (the next token's distribution), or None."""
-        if not self.s.have_logits:
-            return None
-        return logits_copy(self.s.logits, self.vocab)
-
-    @property
-    def block_table(self):
-        return [self.blocks[i] for i in range(self.n_blocks)]
-
-    def cancel(self):
-        """From any thread: the request leaves at the next step."""
-        cism_flag_set(&self.cancel_flag, 1)
-
-    @property
-    def cancelled(self):
-        return bool(cism_flag_get(&self.cancel_flag))
-
-    cpdef tuple rank(self, size_t aging):
-        """Scheduling order (higher first): priority minus one for every
-        `aging` steps of the engine before it arrived, then the older
-        arrival. A request's order against another never changes (both age
-        alike), so preemptions cannot cycle, and a request that has been
-        there a·(P - p) steps outranks every later one of priority up to P."""
-        return (<long long>self.priority * <long long>aging - self.since, -self.arrival)
-
-
-class Collector:
-    """The handle of a request driven in-process (BatchSession): it keeps
-    what the core publishes."""
-
-    def __init__(self):
-        self.tokens = []
-        self.finish_reason = ""
-        self.error = None
-
-    def _publish(self, tokens, lps, tops):
-        self.tokens.extend(tokens)
-
-    def _finish(self, reason, error):
-        self.finish_reason = reason
-        self.error = error
-
-
-cdef struct Job:
-    # a token to choose (or a known one to report) from one logits row
-    const float *row
-    size_t vocab
-    int64_t token           # -1: sample it with the sequence's generator
-    cism_knobs knobs
-    const int64_t *history
-    size_t n_history
-    cism_mt64 *rng
-    cism_sampler *sampler
-    size_t top_n
-    bint want_lp
-    double lp
-    int64_t *top_ids
-    double *top_lp
-
 
 cdef class EngineCore:
     """Requests, pool, prefix cache and the step. Not thread-safe: one
@@ -639,6 +512,7 @@ cdef class EngineCore:
             self.runs[r].n = q.run_n
             self.runs[r].pos = q.s.position
             self.runs[r].blocks = q.blocks
+            self.runs[r].kv = NULL
             self.runs[r].state = q.state
             self.runs[r].out_row = rows
             self.runs[r].n_out = 0
@@ -702,6 +576,7 @@ cdef class EngineCore:
         cdef int rc
         cdef Seq q
         cdef size_t r
+        cdef size_t *ends
         b.tokens = self.tokens
         b.T = T
         b.runs = self.runs
@@ -711,83 +586,16 @@ cdef class EngineCore:
         b.prompt = False
         b.cancel = &self.abort
         if self.stepper.bf16_prompts:
-            return self.run_split(plan, &b)
+            ends = <size_t*>malloc(len(plan) * sizeof(size_t) + 1)
+            if ends == NULL:
+                return NOMEM
+            for r, q in enumerate(plan):
+                ends[r] = q.s.prompt_end
+            rc = forward_split_prompts(self.stepper, &b, ends)
+            free(ends)
+            return rc
         with nogil:
             rc = self.stepper.forward(&b)
-        return rc
-
-    cdef int run_split(self, list plan, StepBatch *b) except? -9:
-        """bf16 prefill: a run's tokens below its prompt's end go in a first
-        forward at the bf16 precision, the others in a second, exact one, so
-        every token runs as a solo session runs it (a run's logits rows are
-        its last n_out tokens, whichever pass runs them)."""
-        cdef size_t n = b.n_runs + 1, V = self.vocab
-        cdef StepRun *part = <StepRun*>malloc(2 * n * sizeof(StepRun))
-        cdef size_t *dest = <size_t*>malloc(2 * n * sizeof(size_t))   # each part's first row in b.logits
-        cdef float *rows = NULL
-        cdef size_t r, i, k, start, end, cut, in_hi
-        cdef size_t counts[2]
-        cdef size_t total_rows = 0
-        cdef int rc = OK, rc2
-        cdef Seq q
-        cdef StepBatch a
-        if part == NULL or dest == NULL:
-            free(part)
-            free(dest)
-            return NOMEM
-        counts[0] = 0
-        counts[1] = 0
-        for r, q in enumerate(plan):
-            total_rows += b.runs[r].n_out
-            start = b.runs[r].pos
-            end = start + b.runs[r].n
-            cut = min(max(q.s.prompt_end, start), end)
-            in_hi = min(b.runs[r].n_out, end - cut)
-            if cut > start:
-                i = counts[0]
-                part[i] = b.runs[r]
-                part[i].n = cut - start
-                part[i].n_out = b.runs[r].n_out - in_hi
-                dest[i] = b.runs[r].out_row
-                counts[0] += 1
-            if end > cut:
-                i = n + counts[1]
-                part[i] = b.runs[r]
-                part[i].first = b.runs[r].first + (cut - start)
-                part[i].pos = cut
-                part[i].n = end - cut
-                part[i].n_out = in_hi
-                dest[i] = b.runs[r].out_row + (b.runs[r].n_out - in_hi)
-                counts[1] += 1
-        if grow_f(&rows, total_rows * V + 1):
-            free(part)
-            free(dest)
-            free(rows)
-            return NOMEM
-        a = b[0]
-        a.logits = rows
-        with nogil:
-            for k in range(2):
-                if counts[k] == 0 or not (rc == OK or rc == NONFINITE):
-                    continue
-                a.runs = part + k * n
-                a.n_runs = counts[k]
-                a.prompt = k == 0
-                # rows of a pass are consecutive in run order, from 0
-                total_rows = 0
-                for i in range(counts[k]):
-                    a.runs[i].out_row = total_rows
-                    total_rows += a.runs[i].n_out
-                rc2 = self.stepper.forward(&a)
-                if rc2 != OK and rc != NOMEM and rc != CANCELLED:
-                    rc = rc2
-                if rc2 == OK or rc2 == NONFINITE:
-                    for i in range(counts[k]):
-                        memcpy(b.logits + dest[k * n + i] * V, rows + a.runs[i].out_row * V,
-                               a.runs[i].n_out * V * sizeof(float))
-        free(part)
-        free(dest)
-        free(rows)
         return rc
 
     cdef out_of_memory(self, list plan, size_t T):
@@ -867,11 +675,8 @@ cdef class EngineCore:
         job.row = row
         job.vocab = self.vocab
         job.token = token
-        job.knobs = knobs_of(&q.p)
-        job.history = q.s.history
-        job.n_history = q.s.hist_len
-        job.rng = &q.s.rng
-        job.sampler = &q.s.sampler
+        job.s = &q.s
+        job.p = &q.p
         job.top_n = q.top_n
         job.want_lp = q.want_lp
         job.top_ids = self.top_ids + i * MAX_TOP
@@ -1055,13 +860,3 @@ cdef class EngineCore:
         free_ = self.pool.free_stack
         assert len(free_) == len(set(free_)), "a block is free twice"
         assert set(free_) == {b for b in range(self.pool.num_blocks) if want[b] == 0}
-
-
-cdef void run_job(Job *job) noexcept nogil:
-    if job.token < 0:
-        job.token = choose_token(job.row, job.vocab, &job.knobs, job.history, job.n_history,
-                                 job.rng, job.sampler)
-        if job.token < 0:
-            return
-    if job.want_lp:
-        job.lp = token_logprobs(job.row, job.vocab, job.token, job.top_n, job.top_ids, job.top_lp)

@@ -8,36 +8,26 @@ each element of the recurrence is computed the same way whatever T, the
 chunking or the thread count, so a block of T tokens equals T single steps bit
 for bit.
 """
-import hashlib
-import threading
-
 import numpy as np
 
 cimport numpy as cnp
 from cython.parallel cimport prange
-from libc.math cimport sqrtf, exp, log, isfinite
-from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.math cimport sqrtf
+from libc.stdint cimport int64_t
+from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, cism_div_up, kernel_table
 from cism._weights cimport WeightStore
-from cism._session cimport DecodeSession, MAX_K, PREFILL_CHUNK
+from cism._session cimport StateSession, MAX_K
 from cism._step cimport Stepper, StepBatch, StepRun
-from cism._nn cimport all_finite_f, grow_f
-from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
-from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
-                            sampler_free, draft_tokens)
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, RUNNING, STOP, LENGTH, CANCEL, Params,
-                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
-                           cism_flag_check)
-from cism._common import FINISH_NAMES
+from cism._layers cimport all_finite_f, embed_rows, grow_f, team
+from cism.matrix cimport Scratch, gemm_multi, gemm1, scratch_free
+from cism._status cimport OK, CANCELLED, NOMEM, NONFINITE, cism_flag_check
+from cism._checks cimport as_tokens
 
 from cism import _kernels
-from cism._weights import PRECISIONS, check_precisions, check_weights, load_float
-from cism._threads import resolve_threads
-from cism.sampling import check_seed
+from cism._weights import load_float
 
 cnp.import_array()
 
@@ -48,8 +38,6 @@ CODE_VERSION = "cism-fwkv-3"
 MAX_SPEC_K = MAX_K
 # Columns per work item of the shared.proj products and of the recurrence.
 DEF COLS = 64
-# Below this many multiply-adds the shared.proj products stay on one thread.
-DEF PARALLEL_MIN_WORK = 32768
 
 
 # ----------------------------------------------------------------- model ---
@@ -93,18 +81,9 @@ cdef class FwkvModel(WeightStore):
 
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
         from cism.fwkv import Config, weight_shapes
-        cls_config = getattr(type(self), "config_class", None) or Config
-        if not isinstance(config, cls_config):
-            raise ValueError(f"config must be a cism.fwkv.Config, got {type(config).__name__}")
-        protected, mlp = check_precisions(precision, act_precision)
-        self.config = config
-        self.precision_ = precision
-        nthreads = resolve_threads(threads)
-        self.scan_threads = nthreads
-        self.threads_ = nthreads
-        self.code_version = CODE_VERSION
-        shapes = weight_shapes(config)
-        arrays = check_weights(weights, shapes)
+        protected, mlp = self.begin(config, getattr(type(self), "config_class", None) or Config,
+                                    precision, act_precision, threads, CODE_VERSION)
+        arrays = self.load_weights(weights, weight_shapes(config), False)
 
         c = config
         self.c.d = c.d_model
@@ -113,49 +92,47 @@ cdef class FwkvModel(WeightStore):
         self.c.layers = c.layers
         self.c.vocab = c.vocab
         self.c.context = c.context
-        self.c.threads = nthreads
+        self.c.threads = self.threads_
         self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
 
         # One packed copy serves the embedding gather and the tied head (the
         # spec builds two identical copies; one is read per token either way).
-        self.c.shared = self._matrix("shared.weight", arrays, protected)[0]
-        self.c.proj = self._vector("shared.proj.weight", arrays)
-        self.c.norm_w = self._vector("norm.weight", arrays)
-        self.c.norm_b = self._vector("norm.bias", arrays)
+        self.c.shared = self.mat("shared.weight", arrays, protected)[0]
+        self.c.proj = self.vec("shared.proj.weight", arrays)
+        self.c.norm_w = self.vec("norm.weight", arrays)
+        self.c.norm_b = self.vec("norm.bias", arrays)
         floor = np.float32(c.wkv_floor)
         cdef Layer *L
         for i in range(c.layers):
             p = f"blocks.{i}."
             L = &self.c.layer[i]
-            L.k = self._matrix(p + "proj_k.weight", arrays, protected)[0]
-            L.v = self._matrix(p + "proj_v.weight", arrays, protected)[0]
-            L.r = self._matrix(p + "proj_r.weight", arrays, protected)[0]
-            L.out = self._matrix(p + "proj_out.weight", arrays, protected)[0]
-            L.ffn0 = self._matrix(p + "ffn.0.weight", arrays, mlp)[0]
-            L.ffn2 = self._matrix(p + "ffn.2.weight", arrays, mlp)[0]
+            L.k = self.mat(p + "proj_k.weight", arrays, protected)[0]
+            L.v = self.mat(p + "proj_v.weight", arrays, protected)[0]
+            L.r = self.mat(p + "proj_r.weight", arrays, protected)[0]
+            L.out = self.mat(p + "proj_out.weight", arrays, protected)[0]
+            L.ffn0 = self.mat(p + "ffn.0.weight", arrays, mlp)[0]
+            L.ffn2 = self.mat(p + "ffn.2.weight", arrays, mlp)[0]
             # the decay depends on the weights only: once here, not per token
             w = load_float(arrays[p + "w"], p + "w")
             arrays[p + "w"] = np.minimum(np.maximum(_kernels.activation("sigmoid", w),
                                                     floor), np.float32(0.999))
-            L.decay = self._vector(p + "w", arrays)
-            L.norm_wkv_w = self._vector(p + "norm_wkv.weight", arrays)
-            L.norm_wkv_b = self._vector(p + "norm_wkv.bias", arrays)
-            L.norm_ffn_w = self._vector(p + "norm_ffn.weight", arrays)
-            L.norm_ffn_b = self._vector(p + "norm_ffn.bias", arrays)
+            L.decay = self.vec(p + "w", arrays)
+            L.norm_wkv_w = self.vec(p + "norm_wkv.weight", arrays)
+            L.norm_wkv_b = self.vec(p + "norm_wkv.bias", arrays)
+            L.norm_ffn_w = self.vec(p + "norm_ffn.weight", arrays)
+            L.norm_ffn_b = self.vec(p + "norm_ffn.bias", arrays)
             for suffix in ("proj_k.weight", "proj_v.weight", "proj_r.weight", "proj_out.weight",
                            "ffn.0.weight", "ffn.2.weight"):
                 arrays.pop(p + suffix, None)   # the packed copies hold everything
         self.set_act_precision(act_precision)
 
-    cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = self.add_any_matrix(name, arrays[name], storage, self.c.threads)
-        return &m.mat
+    def session_class(self):
+        return Session
 
-    cdef const float* _vector(self, name, dict arrays) except NULL:
-        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
-        return <const float*>cnp.PyArray_DATA(a)
+    def stepper_class(self):
+        return FwkvStepper
 
     def __dealloc__(self):
         free(self.c.layer)
@@ -164,35 +141,6 @@ cdef class FwkvModel(WeightStore):
 
     cdef void apply_act_precision(self):
         self.c.act_q8 = self.act_q8_
-
-    # ---- sessions and one-shot evaluation ----
-
-    def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        """A generation with its own recurrent state. min_p and repetition_penalty
-        are extensions (off by default, leaving the spec's sampler bit-exact)."""
-        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
-                       min_p=min_p, repetition_penalty=repetition_penalty)
-
-    def logits(self, prompt):
-        """Next-token logits after the prompt, float32 (vocab,)."""
-        s = Session(self, prompt, 0, 0.0, 1.0, 0, 0, ())
-        s._prefill_now()
-        return s.last_logits
-
-    def nll(self, tokens):
-        """Mean negative log-likelihood of tokens[1:] given the tokens before
-        (teacher forcing from a zero state), in one pass."""
-        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
-
-    def logits_all(self, tokens):
-        """Logits after every prefix of tokens, float32 (T, vocab): row i is
-        the distribution for token i+1 (for perplexity and KL evaluations)."""
-        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
-
-    def _engine_stepper(self):
-        """The forward over ragged batches that cism.Engine drives."""
-        return FwkvStepper(self)
 
     def __repr__(self):
         c = self.config
@@ -376,10 +324,12 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b) noexcept nogil:
     cdef size_t d = m.d, e = m.e, F = m.ffn, V = m.vocab, L = m.layers, T = b.T
     cdef size_t n_out = 0
     cdef size_t d_chunks = cism_div_up(d, COLS), e_chunks = cism_div_up(e, COLS)
+    # threads per loop: the whole team only where the loop has the work for it
     cdef int nt = m.threads
-    cdef int ntT = nt if T > 1 else 1
+    cdef int ntT = team(nt, T, T * d)
+    cdef int ntW = team(nt, b.n_runs * d_chunks, T * d * 4)
     cdef int ntO
-    cdef int ntP = nt if T * d * e >= PARALLEL_MIN_WORK else 1
+    cdef int ntP = team(nt, T * d_chunks, T * d * e)
     cdef int ntQ
     cdef size_t t, l, c, i, r
     cdef const Layer *Ly
@@ -395,11 +345,10 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b) noexcept nogil:
         for i in range(run.n_out):
             w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
         n_out += run.n_out
-    ntO = nt if n_out > 1 else 1
-    ntQ = nt if n_out * d * e >= PARALLEL_MIN_WORK else 1
+    ntO = team(nt, n_out, n_out * d)
+    ntQ = team(nt, n_out * e_chunks, n_out * d * e)
     # factorized embedding: a d_emb row of shared.weight, up to d_model by shared.proj
-    for t in prange(T, num_threads=ntT, schedule='static'):
-        mat_row(&m.shared, <size_t>b.tokens[t], w.emb + t * e)
+    embed_rows(&m.shared, b.tokens, T, w.emb, e, ntT)
     for c in prange(T * d_chunks, num_threads=ntP, schedule='static'):
         proj_in(m, w.emb + (c // d_chunks) * e, w.x + (c // d_chunks) * d, c % d_chunks)
     for l in range(L):
@@ -419,7 +368,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b) noexcept nogil:
         if gemm_multi(mats, outs, lds, 3, q8, w.x, d, T, &w.qs, nt) != 0:
             return NOMEM
         # WKV recurrence: each sequence's tokens in order; columns are independent
-        for c in prange(b.n_runs * d_chunks, num_threads=ntT, schedule='static'):
+        for c in prange(b.n_runs * d_chunks, num_threads=ntW, schedule='static'):
             wkv_columns(K, Ly.decay, w, b.runs[c // d_chunks].state + l * d, b.snap, l * d, d,
                         b.runs[c // d_chunks].first, b.runs[c // d_chunks].n, c % d_chunks)
         # proj_out of r*s for all T tokens at once, 0.1-scaled residual, LayerNorm
@@ -452,127 +401,9 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b) noexcept nogil:
 
 # --------------------------------------------------------------- sessions ---
 
-cdef class Session(DecodeSession):
-    """One generation over an FWKV model. Its memory is the WKV state
-    ``(layers, d_model)``, whatever the length."""
-    cdef FwkvModel model
-    cdef const ModelC *m
-    cdef Work w
-    cdef float *state_              # (layers, d_model)
-    cdef float *snaps               # (ncand + 1, layers, d_model): [0] before the block,
-                                    # [t + 1] after candidate t
-    cdef size_t snaps_cap
-    cdef bint in_block              # run() records the state after each token
-
-    def __cinit__(self, *args, **kwargs):
-        self.state_ = NULL
-        self.snaps = NULL
-        memset(&self.w, 0, sizeof(Work))
-
-    def __init__(self, FwkvModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        self.model = model
-        self.m = &model.c
-        # (the spec's 8 GiB state limit cannot bind: the bounds cap the state at 4 MiB)
-        self.setup(as_tokens(prompt, model.c.vocab), 0, model.c.vocab, model.c.context,
-                   max_new_tokens, temperature, top_p, top_k, seed, eos, min_p, repetition_penalty)
-        self.state_ = <float*>calloc(model.c.layers * model.c.d, sizeof(float))
-        if self.state_ == NULL:
-            raise MemoryError("cannot allocate session state")
-
-    def __dealloc__(self):
-        free(self.state_)
-        free(self.snaps)
-        work_free(&self.w)
-
-    # ---- hooks of the decoding loop ----
-
-    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
-        """Forward T tokens from the current state, in chunks. rows == NULL:
-        the last token's logits go to s.logits; else every token's logits go
-        to rows (T, vocab). Inside a verification block the state after each
-        token is kept in snaps[1:]."""
-        cdef size_t start = 0, n, i, vocab = self.m.vocab, S = self.m.layers * self.m.d
-        cdef StepRun one
-        cdef StepBatch b
-        cdef int rc
-        b.runs = &one
-        b.n_runs = 1
-        b.prompt = False
-        b.cancel = &self.cancelled
-        one.pos = 0
-        one.blocks = NULL
-        one.state = self.state_
-        one.first = 0
-        one.out_row = 0
-        while start < T:
-            n = T - start
-            if n > PREFILL_CHUNK:
-                n = PREFILL_CHUNK
-            if work_reserve(&self.w, self.m, n) != 0:
-                return NOMEM
-            b.tokens = tokens + start
-            b.T = n
-            one.n = n
-            b.snap = NULL
-            if self.in_block:
-                for i in range(n):
-                    self.w.snapp[i] = self.snaps + (start + i + 1) * S
-                b.snap = self.w.snapp
-            if rows != NULL:
-                one.n_out = n
-                b.logits = rows + start * vocab
-            elif start + n == T:
-                one.n_out = 1
-                b.logits = self.s.logits
-            else:
-                one.n_out = 0
-                b.logits = NULL
-            rc = forward(self.m, &self.w, &b)
-            if rc != OK:
-                return rc
-            self.s.position += n
-            start += n
-        if rows == NULL and T > 0:
-            self.s.have_logits = True
-        return OK
-
-    cdef int block_begin(self, size_t ncand) noexcept nogil:
-        # the recurrence overwrites the state: keep it before the block and
-        # after every candidate, so a partial reject needs no replay
-        cdef size_t S = self.m.layers * self.m.d
-        if ncand + 1 > self.snaps_cap:
-            self.snaps_cap = 0
-            if grow_f(&self.snaps, (ncand + 1) * S):
-                return NOMEM
-            self.snaps_cap = ncand + 1
-        memcpy(self.snaps, self.state_, S * sizeof(float))
-        self.in_block = True
-        return OK
-
-    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
-        cdef size_t S = self.m.layers * self.m.d
-        self.in_block = False
-        memcpy(self.state_, self.snaps + j * S, S * sizeof(float))
-        return OK
-
-    # ---- FWKV-specific API ----
-
-    @property
-    def state(self):
-        """A copy of the WKV state, float32 (layers, d_model); zeros before
-        the prompt has run."""
-        with self.lock:
-            out = np.empty((self.m.layers, self.m.d), np.float32)
-            memcpy(cnp.PyArray_DATA(out), self.state_, self.m.layers * self.m.d * sizeof(float))
-            return out
-
-
-# ------------------------------------------------------------ the engine ---
-
 cdef class FwkvStepper(Stepper):
-    """The FWKV forward over a ragged batch (cism.Engine): each sequence
-    runs from its own WKV state; there is no KV cache."""
+    """The FWKV forward over a ragged batch (cism.Engine, sessions): each
+    sequence runs from its own WKV state; there is no KV cache."""
     cdef const ModelC *m
     cdef Work w
 
@@ -595,3 +426,18 @@ cdef class FwkvStepper(Stepper):
 
     cdef int forward(self, StepBatch *b) noexcept nogil:
         return forward(self.m, &self.w, b)
+
+
+cdef class Session(StateSession):
+    """One generation over an FWKV model. Its memory is the WKV state
+    ``(layers, d_model)``, whatever the length (the spec's 8 GiB state
+    limit cannot bind: the bounds cap the state at 4 MiB)."""
+
+    @property
+    def state(self):
+        """A copy of the WKV state, float32 (layers, d_model); zeros before
+        the prompt has run."""
+        with self.lock:
+            out = np.empty((self.model.config.layers, self.model.config.d_model), np.float32)
+            memcpy(cnp.PyArray_DATA(out), self.state_, out.nbytes)
+            return out

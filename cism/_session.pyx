@@ -10,17 +10,18 @@ import numpy as np
 cimport numpy as cnp
 from libc.math cimport exp, log
 from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP, LENGTH, CANCEL, Params,
-                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
-                           cism_flag_check, arm_cancel)
-from cism._nn cimport grow_f
+from cism._status cimport (OK, CANCELLED, NOMEM, NONFINITE, ERROR, RUNNING, STOP, LENGTH, CANCEL,
+                           raise_for, cism_flag_get, cism_flag_set, cism_flag_check, arm_cancel)
+from cism._checks cimport (Params, as_tokens, check_count, check_spec_k, parse_params, logits_copy,
+                           params_eos, knobs_of)
+from cism._layers cimport grow_f
+from cism._step cimport Stepper, StepBatch, StepRun
 from cism.sampling cimport cism_knobs, rng_seed, argmax, choose_token, sampler_free, draft_tokens
 
-from cism._common import FINISH_NAMES
+from cism._status import FINISH_NAMES
 from cism.sampling import check_seed
 
 cnp.import_array()
@@ -61,6 +62,70 @@ cdef void core_account(SeqCore *s, const Params *p, int64_t token) noexcept nogi
         s.finish = STOP
     elif s.generated == s.max_new:
         s.finish = LENGTH
+
+
+cdef int64_t core_choose(SeqCore *s, const Params *p, const float *row, size_t vocab) noexcept nogil:
+    """Choose the next token from row (every loop's sampling: a session's
+    step, the engine's jobs)."""
+    cdef cism_knobs kn = knobs_of(p)
+    return choose_token(row, vocab, &kn, s.history, s.hist_len, &s.rng, &s.sampler)
+
+
+cdef int run_chunks(Stepper st, StepRun *one, SeqCore *s, const int64_t *tokens, size_t T,
+                    float *rows, float *last, float *snaps, int *cancel) noexcept nogil:
+    """Forward T tokens of one sequence at s.position through the family's
+    ragged step, one run (`one`: its cache or blocks, its state), in chunks
+    of at most PREFILL_CHUNK tokens, none straddling the end of the prompt:
+    the tokens below it are the step's prompt tokens (bf16 prefill runs
+    them at its precision), whichever call runs them (prefill, nll, a
+    recompute after eviction). rows == NULL: the last token's logits go to
+    last; else every token's to rows (T, vocab), the last's also to last
+    (when not NULL). snaps: the whole state after token t is copied to
+    snaps + (t + 1) * state_floats (verification blocks of recurrent
+    families). Chunking never changes a bit: a token's arithmetic does not
+    depend on what else is in the step."""
+    cdef size_t start = 0, n, i, vocab = st.vocab
+    cdef float *snapp[PREFILL_CHUNK]
+    cdef StepBatch b
+    cdef int rc
+    b.runs = one
+    b.n_runs = 1
+    b.cancel = cancel
+    one.first = 0
+    one.out_row = 0
+    while start < T:
+        n = T - start
+        if n > PREFILL_CHUNK:
+            n = PREFILL_CHUNK
+        b.prompt = s.position < s.prompt_end
+        if b.prompt and s.position + n > s.prompt_end:
+            n = s.prompt_end - s.position
+        b.tokens = tokens + start
+        b.T = n
+        one.n = n
+        one.pos = s.position
+        b.snap = NULL
+        if snaps != NULL:
+            for i in range(n):
+                snapp[i] = snaps + (start + i + 1) * st.state_floats
+            b.snap = snapp
+        if rows != NULL:
+            one.n_out = n
+            b.logits = rows + start * vocab
+        elif start + n == T and last != NULL:
+            one.n_out = 1
+            b.logits = last
+        else:
+            one.n_out = 0
+            b.logits = NULL
+        rc = st.forward(&b)
+        if rc != OK:
+            return rc
+        s.position += n
+        start += n
+    if rows != NULL and last != NULL and T > 0:
+        memcpy(last, rows + (T - 1) * vocab, vocab * sizeof(float))
+    return OK
 
 
 cdef class SessionState:
@@ -104,6 +169,8 @@ cdef class SessionState:
         if rc == ERROR and self.pending_error is not None:
             err, self.pending_error = self.pending_error, None
             raise err
+        if rc == ERROR:
+            raise RuntimeError("the forward failed; the session is cancelled")
         raise_for(rc)
 
     def cancel(self):
@@ -153,6 +220,8 @@ cdef class DecodeSession(SessionState):
 
     def __cinit__(self, *args, **kwargs):
         self.block_logits = NULL
+        self.snaps = NULL
+        memset(&self.one, 0, sizeof(StepRun))
 
     def __dealloc__(self):
         free(self.block_logits)
@@ -163,7 +232,7 @@ cdef class DecodeSession(SessionState):
         return OK
 
     cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
-        return NOMEM
+        return self.run_one(tokens, T, rows)
 
     cdef int block_begin(self, size_t ncand) noexcept nogil:
         return OK
@@ -176,6 +245,14 @@ cdef class DecodeSession(SessionState):
         return OK
 
     # ---- the shared decoding loop ----
+
+    cdef int run_one(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
+        """The stepper's forward of T tokens over this sequence's run."""
+        cdef int rc = run_chunks(self.stepper, &self.one, &self.s, tokens, T, rows,
+                                 self.s.logits if rows == NULL else NULL, self.snaps, &self.cancelled)
+        if rc == OK and rows == NULL and T > 0:
+            self.s.have_logits = True
+        return rc
 
     cdef int run_prompt(self) noexcept nogil:
         cdef int rc
@@ -250,13 +327,10 @@ cdef class DecodeSession(SessionState):
         cdef bint blocked = False
         cdef int64_t tok
         cdef int rc = OK
-        cdef cism_knobs kn
         if ncand >= 1:
             rc = self.verify_block(ncand, &n, &blocked)
         else:
-            kn = knobs_of(&self.p)
-            tok = choose_token(self.s.logits, self.vocab, &kn, self.s.history, self.s.hist_len,
-                               &self.s.rng, &self.s.sampler)
+            tok = core_choose(&self.s, &self.p, self.s.logits, self.vocab)
             if tok < 0:
                 return NOMEM
             self.emitted[0] = tok
@@ -452,3 +526,56 @@ cdef class DecodeSession(SessionState):
     def spec_stats(self):
         """(proposed, accepted) draft tokens over the session's life."""
         return (self.spec_proposed, self.spec_accepted)
+
+
+cdef class StateSession(DecodeSession):
+    """One generation of a family whose memory is a recurrent state (the
+    stepper's state_floats floats, zero to start), whatever the length:
+    FWKV's, or a toy family's. Its run is the stepper's; a verification
+    block keeps the state after every token, so a partial reject needs no
+    replay."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.state_ = NULL
+        self.block_states = NULL
+
+    def __init__(self, model, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                 eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        cdef Stepper st = model._engine_stepper()
+        self.model = model
+        self.stepper = st
+        self.setup(as_tokens(prompt, st.vocab), 0, st.vocab, model.config.context, max_new_tokens,
+                   temperature, top_p, top_k, seed, eos, min_p, repetition_penalty)
+        self.state_ = <float*>calloc(st.state_floats + 1, sizeof(float))
+        if self.state_ == NULL:
+            raise MemoryError("cannot allocate session state")
+        self.one.state = self.state_
+        if st.state_floats == 0:
+            self.one.state = NULL
+
+    def __dealloc__(self):
+        free(self.state_)
+        free(self.block_states)
+
+    cdef int block_begin(self, size_t ncand) noexcept nogil:
+        # the recurrence overwrites the state: keep it before the block and
+        # after every candidate (snaps)
+        cdef size_t S = self.stepper.state_floats
+        if S == 0:
+            return OK
+        if ncand + 1 > self.block_cap_states:
+            self.block_cap_states = 0
+            if grow_f(&self.block_states, (ncand + 1) * S):
+                return NOMEM
+            self.block_cap_states = ncand + 1
+        memcpy(self.block_states, self.state_, S * sizeof(float))
+        self.snaps = self.block_states
+        return OK
+
+    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
+        cdef size_t S = self.stepper.state_floats
+        if S == 0:
+            return OK
+        self.snaps = NULL
+        memcpy(self.state_, self.block_states + j * S, S * sizeof(float))
+        return OK

@@ -1,5 +1,6 @@
 """Surjo hybrid (XSA attention + Gated DeltaNet): packed weights, the forward
-pass over the execution plan, and sessions with speculative decoding.
+pass over the execution plan and its ragged step (SurjoStepper); the solo
+session with its neural drafter is cism._surjo_session.
 
 The forward function runs T tokens of one sequence plan step by plan step:
 every projection is one pass over its weight rows for all T tokens, while the
@@ -14,38 +15,30 @@ spec shares key-head states among value heads when gdn_num_v_heads > heads,
 an approximation it flags itself; tests/reference/surjo.py documents the
 reading used here), and FIFOs of the W-1 previous raw conv inputs per channel.
 """
-import hashlib
-import threading
-
 import numpy as np
 
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
-from libc.math cimport sqrt, sqrtf, powf, cosf, sinf, exp, log, log1p, isfinite
-from libc.stdint cimport int64_t, uint64_t, uint8_t
-from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.math cimport sqrtf, exp, log1p
+from libc.stdint cimport int64_t, uint8_t
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
 from cism._weights cimport WeightStore
-from cism._session cimport SeqCore, DecodeSession, MAX_K, PREFILL_CHUNK
+from cism._session cimport MAX_K
 from cism._step cimport Stepper, StepBatch, StepRun
-from cism._nn cimport (KV, add_into, all_finite_f, grow_f, kv_array, kv_paged, kv_scores, kv_store, kv_weighted,
-                      rmsnorm, rotate, tile_softmax)
-from cism.matrix cimport Matrix, Scratch, gemm_multi, gemm1, mat_row, scratch_free
-from cism.sampling cimport (cism_mt64, cism_sampler, cism_knobs, rng_seed, argmax, choose_token,
-                            sampler_free, draft_tokens)
-from cism._common cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL, Params,
-                           as_tokens, check_count, check_spec_k, parse_params, raise_for,
-                           logits_copy, params_eos, knobs_of, cism_flag_get, cism_flag_set,
-                           cism_flag_check)
-from cism._common import FINISH_NAMES
+from cism._kvcache cimport KV, kv_alloc, kv_array, kv_cache_bytes, kv_free, kv_paged, kv_store
+from cism._attention cimport QTILE, AttnWork, attend_group, attend_tile, attn_work_free, attn_work_reserve, query_tiles
+from cism._layers cimport (Rope, add_into, embed_rows, grow_f, head_norms, lm_head, rmsnorm, rope_rotate,
+                           swiglu, team)
+from cism.matrix cimport Scratch, gemm_multi, gemm1, scratch_free
+from cism.sampling cimport argmax
+from cism._status cimport OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, cism_flag_check
+from cism._checks cimport as_tokens, check_count, params_eos
 
-from cism import _kernels
 from cism._config import MAX_KV_BYTES, is_int
-from cism._weights import check_kv_precision, check_precisions, check_weights, load_float, rope_tables
-from cism._threads import resolve_threads
-from cism.sampling import check_seed
+from cism._weights import check_kv_precision, load_float
 
 cnp.import_array()
 
@@ -54,68 +47,11 @@ cnp.import_array()
 # softmax's maximum and sum by 16 lanes and the canonical tree)
 CODE_VERSION = "cism-surjo-4"
 MAX_SPEC_K = MAX_K
-# Rotary sin/cos are tabulated up to this many positions (as in cism._dense).
-DEF ROPE_TABLE_MAX = 32768
 # Conv channels per parallel work item: one cache line of floats per token row.
 DEF CONV_BLOCK = 16
-DEF QTILE = 16  # queries attended together (scores16 takes them four at a time)
-# Below about this many multiply-adds a parallel region costs more than it
-# saves (the figure cism.matrix uses); small loops run on the calling thread.
-DEF PARALLEL_MIN_WORK = 65536
 
 
 # ----------------------------------------------------------------- model ---
-
-cdef struct Layer:
-    bint xsa
-    const float *input_norm    # (hidden,)
-    const float *post_norm     # (hidden,)
-    # XSA: q (H*Dh, D), k and v (Hkv*Dh, D), o (D, H*Dh).
-    # GDN: q and k (Kt, D), v (Vt, D), o (D, Vt).
-    cism_mat q, k, v, o
-    const float *q_norm        # XSA (Dh,)
-    const float *k_norm        # XSA (Dh,)
-    cism_mat b                 # GDN beta (Kt, D)
-    cism_mat w                 # GDN write gate (Vt, D)
-    cism_mat f0, f1            # GDN decay rate: (Dv, D), (Kt, Dv)
-    cism_mat g0, g1            # GDN output gate: (Dv, D), (Vt, Dv)
-    const float *q_conv        # GDN (Kt, W), tap W-1 multiplies the newest input
-    const float *k_conv        # GDN (Kt, W)
-    const float *v_conv        # GDN (Vt, W)
-    const float *a_exp         # GDN (H,) exp(A_log)
-    const float *dt_bias       # GDN (Kt,)
-    const float *g_bias        # GDN (Vt,)
-    const float *o_norm        # GDN (Dv,)
-    cism_mat gate, up, down    # SwiGLU MLP (F, D), (F, D), (D, F)
-
-
-cdef struct Step:
-    size_t layer
-    size_t pass_
-    int slot                   # XSA KV slot, or -1
-    int state                  # GDN state index, or -1
-
-
-cdef struct ModelC:
-    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
-    size_t v_heads, k_dim, v_dim, key_total, value_total, conv, fifo   # fifo = conv - 1
-    size_t state_len           # floats of one GDN state incl. its FIFOs
-    float eps
-    bint xsa_projection
-    Layer *layer
-    Step *plan
-    size_t n_steps, n_slots, n_states
-    cism_mat embed
-    cism_mat head              # the embedding again when tied
-    const float *final_norm
-    float *inv_freq            # (head_dim/2,)
-    float *rope_cos            # (rope_positions, head_dim/2)
-    float *rope_sin
-    size_t rope_positions
-    int threads
-    bint act_q8
-    bint kv_f16                # XSA slots hold binary16 (kv_precision "fp16")
-
 
 # Order of the GDN projections sharing the normalized input (one gemm_multi).
 DEF GDN_Q = 0
@@ -135,9 +71,6 @@ cdef class SurjoModel(WeightStore):
     Attention and GDN projections, the embedding and the head use the protected
     storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
     """
-    cdef ModelC c
-    cdef list rope_keep            # inv_freq and the rotary tables (not weights)
-    cdef size_t stream_bytes_
 
     def __cinit__(self):
         memset(&self.c, 0, sizeof(ModelC))
@@ -145,25 +78,11 @@ cdef class SurjoModel(WeightStore):
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
                  kv_precision="fp32"):
         from cism.surjo import Config, weight_shapes
-        if not isinstance(config, Config):
-            raise ValueError(f"config must be a cism.surjo.Config, got {type(config).__name__}")
-        protected, mlp = check_precisions(precision, act_precision)
+        protected, mlp = self.begin(config, Config, precision, act_precision, threads, CODE_VERSION)
         check_kv_precision(kv_precision)
         self.c.kv_f16 = kv_precision == "fp16"
         self.kv_precision_ = kv_precision
-        self.config = config
-        self.precision_ = precision
-        nthreads = resolve_threads(threads)
-        self.scan_threads = nthreads
-        self.threads_ = nthreads
-        self.code_version = CODE_VERSION
-        has_head = "lm_head.weight" in weights
-        shapes = weight_shapes(config, has_head)
-        arrays = check_weights(weights, shapes)
-        if config.tied and has_head:
-            if not np.array_equal(load_float(arrays["lm_head.weight"], "lm_head.weight"),
-                                  load_float(arrays["model.embed_tokens.weight"], "model.embed_tokens.weight")):
-                raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
+        arrays = self.load_weights(weights, weight_shapes(config, "lm_head.weight" in weights), config.tied)
 
         c = config
         self.c.hidden = c.hidden
@@ -187,18 +106,18 @@ cdef class SurjoModel(WeightStore):
                             + (2 * c.key_total + c.value_total) * (c.conv_kernel - 1))
         self.c.eps = c.eps
         self.c.xsa_projection = c.xsa_projection
-        self.c.threads = nthreads
+        self.c.threads = self.threads_
         self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
         self._build_plan()
 
-        self.c.embed = self._matrix("model.embed_tokens.weight", arrays, protected)[0]
+        self.c.embed = self.mat("model.embed_tokens.weight", arrays, protected)[0]
         if c.tied:
             self.c.head = self.c.embed
         else:
-            self.c.head = self._matrix("lm_head.weight", arrays, protected)[0]
-        self.c.final_norm = self._vec("model.norm.weight", arrays)
+            self.c.head = self.mat("lm_head.weight", arrays, protected)[0]
+        self.c.final_norm = self.vec("model.norm.weight", arrays)
         layer_bytes = []
         cdef Layer *L
         for i in range(c.layers):
@@ -206,41 +125,41 @@ cdef class SurjoModel(WeightStore):
             p = f"model.layers.{i}."
             L = &self.c.layer[i]
             L.xsa = c.is_xsa_layer(i)
-            L.input_norm = self._vec(p + "input_layernorm.weight", arrays)
-            L.post_norm = self._vec(p + "post_attention_layernorm.weight", arrays)
+            L.input_norm = self.vec(p + "input_layernorm.weight", arrays)
+            L.post_norm = self.vec(p + "post_attention_layernorm.weight", arrays)
             if L.xsa:
                 a = p + "self_attn."
-                L.q = self._matrix(a + "q_proj.weight", arrays, protected)[0]
-                L.k = self._matrix(a + "k_proj.weight", arrays, protected)[0]
-                L.v = self._matrix(a + "v_proj.weight", arrays, protected)[0]
-                L.o = self._matrix(a + "o_proj.weight", arrays, protected)[0]
-                L.q_norm = self._vec(a + "q_norm.weight", arrays)
-                L.k_norm = self._vec(a + "k_norm.weight", arrays)
+                L.q = self.mat(a + "q_proj.weight", arrays, protected)[0]
+                L.k = self.mat(a + "k_proj.weight", arrays, protected)[0]
+                L.v = self.mat(a + "v_proj.weight", arrays, protected)[0]
+                L.o = self.mat(a + "o_proj.weight", arrays, protected)[0]
+                L.q_norm = self.vec(a + "q_norm.weight", arrays)
+                L.k_norm = self.vec(a + "k_norm.weight", arrays)
             else:
                 a = p + "linear_attn."
-                L.q = self._matrix(a + "q_proj.weight", arrays, protected)[0]
-                L.k = self._matrix(a + "k_proj.weight", arrays, protected)[0]
-                L.v = self._matrix(a + "v_proj.weight", arrays, protected)[0]
-                L.b = self._matrix(a + "b_proj.weight", arrays, protected)[0]
-                L.w = self._matrix(a + "w_proj.weight", arrays, protected)[0]
-                L.f0 = self._matrix(a + "f_proj.0.weight", arrays, protected)[0]
-                L.f1 = self._matrix(a + "f_proj.1.weight", arrays, protected)[0]
-                L.g0 = self._matrix(a + "g_proj.0.weight", arrays, protected)[0]
-                L.g1 = self._matrix(a + "g_proj.1.weight", arrays, protected)[0]
-                L.o = self._matrix(a + "o_proj.weight", arrays, protected)[0]
-                L.q_conv = self._vec(a + "q_conv.conv.weight", arrays)
-                L.k_conv = self._vec(a + "k_conv.conv.weight", arrays)
-                L.v_conv = self._vec(a + "v_conv.conv.weight", arrays)
+                L.q = self.mat(a + "q_proj.weight", arrays, protected)[0]
+                L.k = self.mat(a + "k_proj.weight", arrays, protected)[0]
+                L.v = self.mat(a + "v_proj.weight", arrays, protected)[0]
+                L.b = self.mat(a + "b_proj.weight", arrays, protected)[0]
+                L.w = self.mat(a + "w_proj.weight", arrays, protected)[0]
+                L.f0 = self.mat(a + "f_proj.0.weight", arrays, protected)[0]
+                L.f1 = self.mat(a + "f_proj.1.weight", arrays, protected)[0]
+                L.g0 = self.mat(a + "g_proj.0.weight", arrays, protected)[0]
+                L.g1 = self.mat(a + "g_proj.1.weight", arrays, protected)[0]
+                L.o = self.mat(a + "o_proj.weight", arrays, protected)[0]
+                L.q_conv = self.vec(a + "q_conv.conv.weight", arrays)
+                L.k_conv = self.vec(a + "k_conv.conv.weight", arrays)
+                L.v_conv = self.vec(a + "v_conv.conv.weight", arrays)
                 # exp(A_log) once, in double, rounded to float (stored in A_log's place)
                 arrays[a + "A_log"] = np.exp(load_float(arrays[a + "A_log"], a + "A_log").astype(np.float64)
                                              ).astype(np.float32)
-                L.a_exp = self._vec(a + "A_log", arrays)
-                L.dt_bias = self._vec(a + "dt_bias", arrays)
-                L.g_bias = self._vec(a + "g_proj.1.bias", arrays)
-                L.o_norm = self._vec(a + "o_norm.weight", arrays)
-            L.gate = self._matrix(p + "mlp.gate_proj.weight", arrays, mlp)[0]
-            L.up = self._matrix(p + "mlp.up_proj.weight", arrays, mlp)[0]
-            L.down = self._matrix(p + "mlp.down_proj.weight", arrays, mlp)[0]
+                L.a_exp = self.vec(a + "A_log", arrays)
+                L.dt_bias = self.vec(a + "dt_bias", arrays)
+                L.g_bias = self.vec(a + "g_proj.1.bias", arrays)
+                L.o_norm = self.vec(a + "o_norm.weight", arrays)
+            L.gate = self.mat(p + "mlp.gate_proj.weight", arrays, mlp)[0]
+            L.up = self.mat(p + "mlp.up_proj.weight", arrays, mlp)[0]
+            L.down = self.mat(p + "mlp.down_proj.weight", arrays, mlp)[0]
             for name in [n for n in arrays if n.startswith(p)]:
                 del arrays[name]  # the packed copies hold everything now
             layer_bytes.append(self.weight_bytes_ - before)
@@ -249,7 +168,7 @@ cdef class SurjoModel(WeightStore):
         head = self.matrices["model.embed_tokens.weight" if c.tied else "lm_head.weight"]
         self.stream_bytes_ = (head.nbytes + 4 * c.hidden
                               + sum(layer_bytes[self.c.plan[s].layer] for s in range(self.c.n_steps)))
-        self._build_rope()
+        self.build_rope(&self.c.rope, config.rope_theta, c.head_dim, c.context)
         self.set_act_precision(act_precision)
 
     cdef _build_plan(self):
@@ -272,23 +191,12 @@ cdef class SurjoModel(WeightStore):
         self.c.n_slots = slot
         self.c.n_states = state
 
-    cdef cism_mat* _matrix(self, name, dict arrays, storage) except NULL:
-        cdef Matrix m = self.add_any_matrix(name, arrays[name], storage, self.c.threads)
-        return &m.mat
+    def session_class(self):
+        from cism._surjo_session import Session
+        return Session
 
-    cdef const float* _vec(self, name, dict arrays) except NULL:
-        """A float32 vector (conv weights flattened to (channels, W))."""
-        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
-        return <const float*>cnp.PyArray_DATA(a)
-
-    cdef _build_rope(self):
-        inv, cos_t, sin_t = rope_tables(self.config.rope_theta, self.c.head_dim, self.c.context,
-                                        ROPE_TABLE_MAX)
-        self.rope_keep = [inv, cos_t, sin_t]
-        self.c.inv_freq = <float*>cnp.PyArray_DATA(inv)
-        self.c.rope_cos = <float*>cnp.PyArray_DATA(cos_t)
-        self.c.rope_sin = <float*>cnp.PyArray_DATA(sin_t)
-        self.c.rope_positions = cos_t.shape[0]
+    def stepper_class(self):
+        return SurjoStepper
 
     def __dealloc__(self):
         free(self.c.layer)
@@ -318,44 +226,6 @@ cdef class SurjoModel(WeightStore):
                        (s.layer, s.pass_, "gdn", s.state))
         return out
 
-    # ---- sessions and one-shot evaluation ----
-
-    def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        """A generation with its own KV slots and recurrent states. min_p and
-        repetition_penalty are extensions (off by default: the spec's sampler)."""
-        return Session(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, eos,
-                       min_p=min_p, repetition_penalty=repetition_penalty)
-
-    def logits(self, prompt):
-        """Next-token logits after the prompt, float32 (vocab,)."""
-        s = Session(self, prompt, 0, 0.0, 1.0, 0, 0, ())
-        s._prefill_now()
-        return s.last_logits
-
-    def nll(self, tokens):
-        """Mean negative log-likelihood of tokens[1:] given the tokens before
-        (teacher forcing, positions from zero), in blocks."""
-        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
-
-    def logits_all(self, tokens):
-        """Logits after every prefix of tokens, float32 (T, vocab): row i is
-        the distribution for token i+1."""
-        return Session(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
-
-    def _engine_stepper(self):
-        """The forward over ragged batches that cism.Engine drives."""
-        return SurjoStepper(self)
-
-    @property
-    def kv_precision(self):
-        """What the XSA slots hold: ``"fp32"`` (default) or ``"fp16"``: keys
-        and values rounded to binary16 as they are stored (half the bytes
-        per cached position; attention then runs in fp32 over the widened
-        values, every bitwise guarantee kept; docs/EXACTNESS.md). Chosen
-        when the model is built."""
-        return self.kv_precision_
-
     def __repr__(self):
         c = self.config
         return (f"{type(self).__name__}(surjo, layers={c.layers}, passes={c.passes}, "
@@ -367,100 +237,30 @@ cdef class SurjoModel(WeightStore):
 
 # ----------------------------------------------------------- forward pass ---
 
-cdef struct State:
-    # Everything a sequence carries between tokens.
-    KV kv                      # the XSA slots' rotated keys and values: a KV
-                               #   cache (cism/_nn.pxd) with one "layer" per slot
-    float *rec                 # (states, state_len): per GDN (layer, pass)
-                               #   S (Hv, K, Dv), then FIFOs q (Kt, W-1), k (Kt, W-1), v (Vt, W-1)
-
-
-cdef struct Work:
-    # token-major scratch for up to tokens_cap tokens
-    float *x        # (T, hidden) residual stream
-    float *xn       # (T, hidden) normalized
-    float *proj     # (T, hidden) mixer / MLP output
-    float *q        # (T, q_width)   XSA
-    float *k        # (T, kv_width)
-    float *v        # (T, kv_width)
-    float *att      # (T, q_width)
-    float *gq       # (T, Kt)        GDN q, conv'd in place
-    float *gk       # (T, Kt)
-    float *gv       # (T, Vt)
-    float *gb       # (T, Kt)        beta
-    float *gw       # (T, Vt)        write gate
-    float *gf       # (T, Kt)        decay rate, then decay
-    float *gg       # (T, Vt)        output gate logits
-    float *go       # (T, Vt)        GDN output
-    float *fmid     # (T, Dv)
-    float *gmid     # (T, Dv)
-    float *gate     # (T, inter)
-    float *up       # (T, inter)
-    float *head_in  # (n_out, hidden) final-normed rows that need logits
-    float *scores   # (threads, QTILE * score_cap) scores of one query tile per thread
-    float *rope     # (threads, head_dim) cos/sin beyond the table
-    float *delta    # (threads, 2 * Dv) delta-rule read and update vectors
-    size_t *out_rows  # (T,) the tokens whose logits are wanted, in row order
-    int *seq_of     # (T,) the run (sequence) of each token
-    size_t *pos_of  # (T,) the position of each token
-    size_t *tile_of # (T,) first token of each attention query tile
-    float **snapp   # (T,) a session's snapshot targets (unused: NULLs)
-    size_t tokens_cap, score_cap, out_cap, threads_cap
-    int bad_score   # set (atomically, by any thread) when an attention score is not finite
-    Scratch qs
-
-
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
-    cdef size_t nt = m.threads
     cdef size_t kt = m.key_total, vt = m.value_total
-    # a cap is zeroed before its buffers are replaced, so a failed grow
-    # leaves nothing that a later, smaller call could mistake for room
-    if T > w.tokens_cap:
-        w.tokens_cap = 0
-        if (grow_f(&w.x, T * m.hidden) or grow_f(&w.xn, T * m.hidden) or grow_f(&w.proj, T * m.hidden)
-                or grow_f(&w.q, T * m.q_width) or grow_f(&w.k, T * m.kv_width)
-                or grow_f(&w.v, T * m.kv_width) or grow_f(&w.att, T * m.q_width)
-                or grow_f(&w.gq, T * kt) or grow_f(&w.gk, T * kt) or grow_f(&w.gv, T * vt)
+    # the GDN buffers first: attn_work_reserve raises the caps they share
+    if T > w.a.tokens_cap:
+        w.a.tokens_cap = 0
+        if (grow_f(&w.gq, T * kt) or grow_f(&w.gk, T * kt) or grow_f(&w.gv, T * vt)
                 or grow_f(&w.gb, T * kt) or grow_f(&w.gw, T * vt) or grow_f(&w.gf, T * kt)
                 or grow_f(&w.gg, T * vt) or grow_f(&w.go, T * vt)
-                or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)
-                or grow_f(&w.gate, T * m.inter) or grow_f(&w.up, T * m.inter)):
+                or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)):
             return -1
-        w.out_rows = <size_t*>realloc(w.out_rows, T * sizeof(size_t))
-        w.seq_of = <int*>realloc(w.seq_of, T * sizeof(int))
-        w.pos_of = <size_t*>realloc(w.pos_of, T * sizeof(size_t))
-        w.tile_of = <size_t*>realloc(w.tile_of, T * sizeof(size_t))
-        if w.out_rows == NULL or w.seq_of == NULL or w.pos_of == NULL or w.tile_of == NULL:
+    if S > w.a.score_cap or <size_t>m.threads > w.a.threads_cap:
+        w.a.score_cap = 0
+        if grow_f(&w.delta, m.threads * 2 * m.v_dim):
             return -1
-        w.tokens_cap = T
-    if n_out > w.out_cap:
-        w.out_cap = 0
-        if grow_f(&w.head_in, n_out * m.hidden):
-            return -1
-        w.out_cap = n_out
-    if S > w.score_cap or nt > w.threads_cap:
-        w.score_cap = 0
-        w.threads_cap = 0
-        if (grow_f(&w.scores, nt * QTILE * S) or grow_f(&w.rope, nt * m.head_dim)
-                or grow_f(&w.delta, nt * 2 * m.v_dim)):
-            return -1
-        w.score_cap = S
-        w.threads_cap = nt
-    return 0
+    return attn_work_reserve(&w.a, T, S, n_out, m.hidden, m.inter, m.q_width, m.kv_width, m.head_dim,
+                             m.threads)
 
 
 cdef void work_free(Work *w) noexcept nogil:
-    free(w.x); free(w.xn); free(w.proj); free(w.q); free(w.k); free(w.v); free(w.att)
+    attn_work_free(&w.a)
     free(w.gq); free(w.gk); free(w.gv); free(w.gb); free(w.gw); free(w.gf); free(w.gg); free(w.go)
-    free(w.fmid); free(w.gmid); free(w.gate); free(w.up); free(w.head_in)
-    free(w.scores); free(w.rope); free(w.delta); free(w.out_rows)
-    free(w.seq_of); free(w.pos_of); free(w.tile_of)
-    scratch_free(&w.qs)
+    free(w.fmid); free(w.gmid); free(w.delta)
     memset(w, 0, sizeof(Work))
 
-
-# rmsnorm, add_into and rotate are cism._dense's, copied: they are cdef inline
-# in a .pyx there, so they cannot be cimported (candidates for a shared .pxd).
 
 cdef inline void l2norm(float *x, size_t n) noexcept nogil:
     # the spec's surjo_l2norm: x / (||x|| + 1e-12), the sum of squares in double
@@ -486,32 +286,14 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const KV *kv, s
                        size_t g, size_t pos, int tid) noexcept nogil:
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t hd = m.head_dim, half = hd // 2, h, j
-    cdef float *q = w.q + g * m.q_width
-    cdef float *k = w.k + g * m.kv_width
-    cdef const float *c
-    cdef const float *s
-    cdef float *tmp
-    cdef float angle
-    for h in range(m.heads):
-        rmsnorm(q + h * hd, q + h * hd, L.q_norm, hd, m.eps)
+    cdef size_t hd = m.head_dim, h
+    cdef float *q = w.a.q + g * m.q_width
+    cdef float *k = w.a.k + g * m.kv_width
+    head_norms(q, m.heads, hd, L.q_norm, m.eps)
+    head_norms(k, m.kv_heads, hd, L.k_norm, m.eps)
+    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.a.rope + tid * hd)
     for h in range(m.kv_heads):
-        rmsnorm(k + h * hd, k + h * hd, L.k_norm, hd, m.eps)
-    if pos < m.rope_positions:
-        c = m.rope_cos + pos * half
-        s = m.rope_sin + pos * half
-    else:
-        tmp = w.rope + tid * hd
-        for j in range(half):
-            angle = <float>pos * m.inv_freq[j]
-            tmp[j] = cosf(angle)
-            tmp[half + j] = sinf(angle)
-        c = tmp
-        s = tmp + half
-    rotate(q, m.heads, hd, c, s)
-    rotate(k, m.kv_heads, hd, c, s)
-    for h in range(m.kv_heads):
-        kv_store(K, kv, slot, h, pos, k + h * hd, w.v + g * m.kv_width + h * hd)
+        kv_store(K, kv, slot, h, pos, k + h * hd, w.a.v + g * m.kv_width + h * hd)
 
 
 cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
@@ -519,7 +301,7 @@ cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out
     head of KV head kvh and token g's own value v of that head, the dot
     products in double (the spec's order)."""
     cdef size_t hd = m.head_dim, j
-    cdef const float *vv = w.v + g * m.kv_width + kvh * hd
+    cdef const float *vv = w.a.v + g * m.kv_width + kvh * hd
     cdef double av = 0, vv2 = 0
     cdef float coef
     for j in range(hd):
@@ -534,22 +316,14 @@ cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out
 
 cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *kv, size_t slot,
                      size_t g0, size_t nq, size_t h, size_t p0, float *sc) noexcept nogil:
-    """Causal attention of head h for the nq tokens g0.. at positions
-    p0.. of the slot (one query tile), then (xsa_projection) the removal of
-    each output's component along its token's own value vector of that KV
-    head. Every query keeps the arithmetic of attending alone, as the dense
-    attend does (cism/_dense.pyx): scores16 over the slot's key tiles (the
-    fp32 gemm's bits for each key), the same softmax, the same fma chain
-    over positions."""
-    cdef size_t hd = m.head_dim, QW = m.q_width
-    cdef size_t span = p0 + nq, i
+    """Causal attention of head h for the nq tokens g0.. at positions p0..
+    of the slot (one query tile: cism._attention's, as the dense layers'),
+    then (xsa_projection) the removal of each output's component along its
+    token's own value vector of that KV head."""
+    cdef size_t hd = m.head_dim, QW = m.q_width, i
     cdef size_t kvh = h // (m.heads // m.kv_heads)
-    cdef float *out = w.att + g0 * QW + h * hd
-    kv_scores(K, kv, w.q + g0 * QW + h * hd, QW, nq, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
-    tile_softmax(K, sc, span, nq, p0, 1.0 / sqrtf(<float>hd), out, QW, hd, &w.bad_score)
-    kv_weighted(K, kv, sc, span, nq, slot, kvh, 0, p0 + 1, 0, out, QW, hd)
-    for i in range(1, nq):
-        kv_weighted(K, kv, sc + i * span, span, 1, slot, kvh, p0 + 1, p0 + i + 1, 0, out + i * QW, QW, hd)
+    cdef float *out = w.a.att + g0 * QW + h * hd
+    attend_tile(K, kv, slot, kvh, w.a.q + g0 * QW + h * hd, out, QW, nq, p0, 0, sc, &w.a.bad_score)
     if m.xsa_projection:
         for i in range(nq):
             xsa_project(m, w, g0 + i, kvh, out + i * QW)
@@ -558,24 +332,15 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *
 cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, const KV *kv, size_t slot,
                            size_t g, size_t kvh, size_t p, float *sc) noexcept nogil:
     """Attention of token g alone in its tile (at position p) for the heads
-    that share KV head kvh, up to QTILE of them at a time as one tile of
-    queries over the same keys and values (as the dense attend_group): each
-    head gets exactly xsa_attend's arithmetic for it alone, and each key and
-    value is read once for the group."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, QW = m.q_width
-    cdef size_t span = p + 1, h0, nh, j
-    cdef float *out
-    for h0 in range(kvh * G, (kvh + 1) * G, QTILE):
-        nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
-        out = w.att + g * QW + h0 * hd
-        kv_scores(K, kv, w.q + g * QW + h0 * hd, hd, nh, slot, kvh, hd, sc, span, span, 0, (span + 15) // 16)
-        for j in range(nh):
-            tile_softmax(K, sc + j * span, span, 1, p, 1.0 / sqrtf(<float>hd), out + j * hd, hd, hd,
-                         &w.bad_score)
-        kv_weighted(K, kv, sc, span, nh, slot, kvh, 0, span, 0, out, hd, hd)
-        if m.xsa_projection:
-            for j in range(nh):
-                xsa_project(m, w, g, kvh, out + j * hd)
+    that share KV head kvh as one tile of queries (cism._attention), each
+    head with exactly xsa_attend's arithmetic for it alone, then the
+    projection of each head's output."""
+    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, j
+    cdef float *out = w.a.att + g * m.q_width + kvh * G * hd
+    attend_group(K, kv, slot, kvh, w.a.q + g * m.q_width + kvh * G * hd, out, G, p, 0, sc, &w.a.bad_score)
+    if m.xsa_projection:
+        for j in range(G):
+            xsa_project(m, w, g, kvh, out + j * hd)
 
 
 cdef void gdn_conv(const ModelC *m, Work *w, const Layer *L, float *rec, size_t blk,
@@ -703,22 +468,6 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
             memcpy(snap[t] + snap_offset, S, kd * dv * sizeof(float))
 
 
-cdef inline int team(int nt, size_t items, size_t work) noexcept nogil:
-    return nt if items > 1 and work >= PARALLEL_MIN_WORK else 1
-
-
-cdef size_t query_tiles(Work *w, size_t T) noexcept nogil:
-    """Cut the T tokens into runs of up to QTILE tokens of one sequence at
-    consecutive positions; w.tile_of[i] = first token of tile i."""
-    cdef size_t g, n = 0
-    for g in range(T):
-        if (n == 0 or g - w.tile_of[n - 1] == QTILE or w.seq_of[g] != w.seq_of[g - 1]
-                or w.pos_of[g] != w.pos_of[g - 1] + 1):
-            w.tile_of[n] = g
-            n += 1
-    return n
-
-
 cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
                  const uint8_t *skip) noexcept nogil:
     """Run the step's tokens (cism._step: runs of sequences at their own
@@ -742,7 +491,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     cdef int ntC = team(nt, R * nconv, T * (2 * KT + VT) * m.conv)
     cdef int ntG = team(nt, T, T * (2 * KT + VT) * 8)
     cdef int ntV = team(nt, R * m.v_heads, T * m.v_heads * m.k_dim * DV * 4)
-    cdef int ntO
+    cdef int rc
     cdef size_t si, g, r, i, slot, st_index
     cdef const Layer *L
     cdef const StepRun *run
@@ -756,21 +505,19 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         n_out += b.runs[r].n_out
     if work_reserve(w, m, T, S, n_out) != 0:
         return NOMEM
-    w.bad_score = 0
+    w.a.bad_score = 0
     for r in range(R):
         run = &b.runs[r]
         for i in range(run.n):
-            w.seq_of[run.first + i] = <int>r
-            w.pos_of[run.first + i] = run.pos + i
+            w.a.seq_of[run.first + i] = <int>r
+            w.a.pos_of[run.first + i] = run.pos + i
         for i in range(run.n_out):
-            w.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
-    ntiles = query_tiles(w, T)
+            w.a.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
+    ntiles = query_tiles(w.a.tile_of, w.a.seq_of, w.a.pos_of, T)
     per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
     items = ntiles * per_tile
     ntH = team(nt, items, T * m.heads * S * m.head_dim)
-    ntO = team(nt, n_out, n_out * D)
-    for g in prange(T, num_threads=ntT, schedule='static'):
-        mat_row(&m.embed, <size_t>b.tokens[g], w.x + g * D)
+    embed_rows(&m.embed, b.tokens, T, w.a.x, D, ntT)
     for si in range(m.n_steps):
         if skip != NULL and skip[si]:
             continue
@@ -779,39 +526,39 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         L = &m.layer[m.plan[si].layer]
         # mixer rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
-            rmsnorm(w.x + g * D, w.xn + g * D, L.input_norm, D, m.eps)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.input_norm, D, m.eps)
         if L.xsa:
             slot = m.plan[si].slot
             # q, k, v projections in one pass over their rows
             mats[0], mats[1], mats[2] = &L.q, &L.k, &L.v
-            outs[0], outs[1], outs[2] = w.q, w.k, w.v
+            outs[0], outs[1], outs[2] = w.a.q, w.a.k, w.a.v
             lds[0], lds[1], lds[2] = QW, KW, KW
-            if gemm_multi(mats, outs, lds, 3, q8, w.xn, D, T, &w.qs, nt) != 0:
+            if gemm_multi(mats, outs, lds, 3, q8, w.a.xn, D, T, &w.a.qs, nt) != 0:
                 return NOMEM
             # q/k norms, rotate, store k and v in this execution's slot
             for g in prange(T, num_threads=ntT, schedule='static'):
-                xsa_qk_store(m, w, L, &kvs[w.seq_of[g]], slot, g, w.pos_of[g], threadid())
+                xsa_qk_store(m, w, L, &kvs[w.a.seq_of[g]], slot, g, w.a.pos_of[g], threadid())
             # causal GQA attention and the value projection: one (query tile,
             # KV group) per item, a lone query's heads of the group together;
             # with fewer than two groups per thread, one (tile, head) per item.
             # Later tiles see more positions, hence the dynamic schedule; KV
             # group first, so consecutive items read the same keys and values.
             for r in prange(items, num_threads=ntH, schedule='dynamic'):
-                g = w.tile_of[r % ntiles]
-                nq = (w.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
+                g = w.a.tile_of[r % ntiles]
+                nq = (w.a.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
                 if per_tile == m.heads:
-                    xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, r // ntiles, w.pos_of[g],
-                               w.scores + threadid() * QTILE * w.score_cap)
+                    xsa_attend(m, K, w, &kvs[w.a.seq_of[g]], slot, g, nq, r // ntiles, w.a.pos_of[g],
+                               w.a.scores + threadid() * QTILE * w.a.score_cap)
                 elif nq == 1:
-                    xsa_attend_group(m, K, w, &kvs[w.seq_of[g]], slot, g, r // ntiles, w.pos_of[g],
-                                     w.scores + threadid() * QTILE * w.score_cap)
+                    xsa_attend_group(m, K, w, &kvs[w.a.seq_of[g]], slot, g, r // ntiles, w.a.pos_of[g],
+                                     w.a.scores + threadid() * QTILE * w.a.score_cap)
                 else:
                     for h in range((r // ntiles) * group, (r // ntiles + 1) * group):
-                        xsa_attend(m, K, w, &kvs[w.seq_of[g]], slot, g, nq, h, w.pos_of[g],
-                                   w.scores + threadid() * QTILE * w.score_cap)
-            if w.bad_score:
+                        xsa_attend(m, K, w, &kvs[w.a.seq_of[g]], slot, g, nq, h, w.a.pos_of[g],
+                                   w.a.scores + threadid() * QTILE * w.a.score_cap)
+            if w.a.bad_score:
                 return NONFINITE_SCORE
-            if gemm1(&L.o, q8, w.att, QW, T, w.proj, D, &w.qs, nt) != 0:
+            if gemm1(&L.o, q8, w.a.att, QW, T, w.a.proj, D, &w.a.qs, nt) != 0:
                 return NOMEM
         else:
             st_index = <size_t>m.plan[si].state
@@ -822,12 +569,12 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
             outs[GDN_B], outs[GDN_W], outs[GDN_F0], outs[GDN_G0] = w.gb, w.gw, w.fmid, w.gmid
             lds[GDN_Q], lds[GDN_K], lds[GDN_V] = KT, KT, VT
             lds[GDN_B], lds[GDN_W], lds[GDN_F0], lds[GDN_G0] = KT, VT, DV, DV
-            if gemm_multi(mats, outs, lds, 7, q8, w.xn, D, T, &w.qs, nt) != 0:
+            if gemm_multi(mats, outs, lds, 7, q8, w.a.xn, D, T, &w.a.qs, nt) != 0:
                 return NOMEM
             # decay-rate and output-gate up-projections
-            if gemm1(&L.f1, q8, w.fmid, DV, T, w.gf, KT, &w.qs, nt) != 0:
+            if gemm1(&L.f1, q8, w.fmid, DV, T, w.gf, KT, &w.a.qs, nt) != 0:
                 return NOMEM
-            if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.qs, nt) != 0:
+            if gemm1(&L.g1, q8, w.gmid, DV, T, w.gg, VT, &w.a.qs, nt) != 0:
                 return NOMEM
             # causal conv with each sequence's FIFOs of this (layer, pass), channels in parallel
             for r in prange(R * nconv, num_threads=ntC, schedule='static'):
@@ -843,34 +590,23 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
                          b.runs[r // m.v_heads].first, b.runs[r // m.v_heads].n,
                          w.delta + threadid() * 2 * DV, b.snap,
                          st_index * m.state_len + (r % m.v_heads) * m.k_dim * DV)
-            if gemm1(&L.o, q8, w.go, VT, T, w.proj, D, &w.qs, nt) != 0:
+            if gemm1(&L.o, q8, w.go, VT, T, w.a.proj, D, &w.a.qs, nt) != 0:
                 return NOMEM
         # residual, MLP rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
-            add_into(w.x + g * D, w.proj + g * D, D)
-            rmsnorm(w.x + g * D, w.xn + g * D, L.post_norm, D, m.eps)
+            add_into(w.a.x + g * D, w.a.proj + g * D, D)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.post_norm, D, m.eps)
         # SwiGLU: silu(gate) * up, then down, residual
-        mats[0], mats[1] = &L.gate, &L.up
-        outs[0], outs[1] = w.gate, w.up
-        lds[0], lds[1] = I, I
-        if gemm_multi(mats, outs, lds, 2, q8, w.xn, D, T, &w.qs, nt) != 0:
+        if swiglu(&L.gate, &L.up, &L.down, q8, w.a.xn, D, I, T, w.a.gate, w.a.up, w.a.proj, &w.a.qs, nt, ntT) != 0:
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
-            K.silu_mul(w.gate + g * I, w.up + g * I, w.gate + g * I, I)
-        if gemm1(&L.down, q8, w.gate, I, T, w.proj, D, &w.qs, nt) != 0:
-            return NOMEM
-        for g in prange(T, num_threads=ntT, schedule='static'):
-            add_into(w.x + g * D, w.proj + g * D, D)
+            add_into(w.a.x + g * D, w.a.proj + g * D, D)
     if n_out == 0:
         return OK
-    # final norm, only for the rows whose logits are wanted
-    for i in prange(n_out, num_threads=ntO, schedule='static'):
-        rmsnorm(w.x + w.out_rows[i] * D, w.head_in + i * D, m.final_norm, D, m.eps)
-    if gemm1(&m.head, q8, w.head_in, D, n_out, b.logits, m.vocab, &w.qs, nt) != 0:
-        return NOMEM
-    if not all_finite_f(b.logits, n_out * m.vocab):
-        return NONFINITE
-    return OK
+    # final norm and head, only for the rows whose logits are wanted
+    rc = lm_head(&m.head, m.final_norm, m.eps, w.a.x, NULL, w.a.out_rows, n_out, D, m.vocab, q8, w.a.head_in,
+                 b.logits, &w.a.qs, nt)
+    return OK if rc == 0 else (NOMEM if rc == -1 else NONFINITE)
 
 
 # --------------------------------------------------------------- sessions ---
@@ -880,299 +616,33 @@ cdef inline size_t slot_elem_bytes(const ModelC *m) noexcept nogil:
 
 
 cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil:
-    """Empty KV slots (keys zeroed, so the lanes of a last key tile past the
-    written positions hold zeros), zero GDN states and FIFOs (once per
-    session; all or nothing: a failure leaves nothing behind)."""
-    cdef size_t tiles = (capacity + 15) // 16
+    """Empty KV slots, zero GDN states and FIFOs (once per session; all or
+    nothing: a failure leaves nothing behind)."""
     if st.rec != NULL:
         return OK
-    st.kv.capacity = capacity
-    st.kv.blocks = NULL
-    st.kv.layers = m.n_slots
-    st.kv.kv_width = m.kv_width
-    st.kv.kv_heads = m.kv_heads
-    st.kv.head_dim = m.head_dim
-    st.kv.esize = slot_elem_bytes(m)
-    st.kv.keys_mem = calloc(m.n_slots * tiles * 16 * m.kv_width * st.kv.esize + 64, 1)
-    st.kv.values = <char*>malloc(m.n_slots * capacity * m.kv_width * st.kv.esize + 64)
     st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
-    if st.kv.keys_mem == NULL or st.kv.values == NULL or st.rec == NULL:
+    if (st.rec == NULL or kv_alloc(&st.kv, m.n_slots, capacity, m.kv_heads, m.head_dim,
+                                   slot_elem_bytes(m)) != 0):
         state_free(st)
         return NOMEM
-    st.kv.keys = <char*>((<size_t>st.kv.keys_mem + 63) // 64 * 64)
     return OK
 
 
 cdef void state_free(State *st) noexcept nogil:
-    free(st.kv.keys_mem)
-    free(st.kv.values)
+    kv_free(&st.kv)
     free(st.rec)
     memset(st, 0, sizeof(State))
 
 
-cdef int seq_run(const ModelC *m, Work *w, SeqCore *s, State *st, const int64_t *tokens, size_t T,
-                 float *rows, const uint8_t *skip, float *last, int *cancel) noexcept nogil:
-    """Forward T tokens of the sequence at its position, in blocks. rows ==
-    NULL: logits of the last token into last; else logits of every token into
-    rows (T, vocab) and the last also into last."""
-    cdef size_t start = 0, n, vocab = m.vocab
-    cdef StepRun one
-    cdef StepBatch b
-    cdef int rc
-    b.runs = &one
-    b.n_runs = 1
-    b.snap = NULL
-    b.prompt = False
-    b.cancel = cancel
-    one.blocks = NULL
-    one.state = st.rec
-    one.first = 0
-    one.out_row = 0
-    while start < T:
-        n = T - start
-        if n > PREFILL_CHUNK:
-            n = PREFILL_CHUNK
-        b.tokens = tokens + start
-        b.T = n
-        one.n = n
-        one.pos = s.position
-        if rows != NULL:
-            one.n_out = n
-            b.logits = rows + start * vocab
-        elif start + n == T:
-            one.n_out = 1
-            b.logits = last
-        else:
-            one.n_out = 0
-            b.logits = NULL
-        rc = forward(m, w, &b, &st.kv, skip)
-        if rc != OK:
-            return rc
-        s.position += n
-        start += n
-    if rows != NULL and last != NULL and T > 0:
-        memcpy(last, rows + (T - 1) * vocab, vocab * sizeof(float))
-    return OK
-
-
-cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
-    capacity = prompt_len + max_new
-    if capacity > m.context:
-        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
-                         f"({prompt_len} + {max_new} > {m.context})")
-    state_bytes = (slot_elem_bytes(m) * m.n_slots * (capacity + (capacity + 15) // 16 * 16) * m.kv_width
-                   + 4 * m.n_states * m.state_len)
-    if state_bytes > MAX_KV_BYTES:
-        raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
-                         "XSA keys/values and GDN states)")
-
-
-cdef class Session(DecodeSession):
-    """One generation over a Surjo model: its own XSA KV slots
-    ``(slots, capacity, kv_width)``, GDN states and conv FIFOs."""
-    cdef SurjoModel model
-    cdef const ModelC *m
-    cdef Work w
-    cdef State st
-    cdef float *ckpt             # (states, state_len) recurrent checkpoint
-    cdef float *draft_logits     # (vocab,) the neural drafter's own logits
-    cdef uint8_t *skip           # (steps,) plan steps the neural drafter leaves out
-    cdef bint draft_armed
-
-    def __cinit__(self, *args, **kwargs):
-        memset(&self.w, 0, sizeof(Work))
-        memset(&self.st, 0, sizeof(State))
-        self.ckpt = NULL
-        self.draft_logits = NULL
-        self.skip = NULL
-
-    def __init__(self, SurjoModel model, prompt, max_new_tokens, temperature=0.0, top_p=1.0,
-                 top_k=0, seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
-        self.model = model
-        self.m = &model.c
-        p = as_tokens(prompt, model.c.vocab)
-        check_capacity(self.m, len(p), check_count(max_new_tokens, "max_new_tokens"))
-        self.setup(p, 0, model.c.vocab, model.c.context, max_new_tokens, temperature, top_p,
-                   top_k, seed, eos, min_p, repetition_penalty)
-        self.skip = <uint8_t*>calloc(self.m.n_steps + 1, 1)
-        if self.skip == NULL:
-            raise MemoryError("cannot allocate session state")
-
-    def __dealloc__(self):
-        state_free(&self.st)
-        free(self.ckpt)
-        free(self.draft_logits)
-        free(self.skip)
-        work_free(&self.w)
-
-    # ---- hooks of the decoding loop ----
-
-    cdef int alloc(self) noexcept nogil:
-        if state_alloc(&self.st, self.m, self.s.capacity) != OK:
-            return NOMEM
-        if self.ckpt == NULL:
-            self.ckpt = <float*>malloc((self.m.n_states * self.m.state_len + 16) * sizeof(float))
-            if self.ckpt == NULL:
-                return NOMEM
-        return OK
-
-    cdef int run(self, const int64_t *tokens, size_t T, float *rows) noexcept nogil:
-        # with rows (a verification block) the live logits stay untouched
-        cdef int rc = seq_run(self.m, &self.w, &self.s, &self.st, tokens, T, rows, NULL,
-                              self.s.logits if rows == NULL else NULL, &self.cancelled)
-        if rc == OK and rows == NULL and T > 0:
-            self.s.have_logits = True
-        return rc
-
-    cdef int block_begin(self, size_t ncand) noexcept nogil:
-        # the recurrence cannot be rolled back: checkpoint GDN states and FIFOs.
-        # The XSA key/value tail needs no checkpoint: rows past the position are
-        # rewritten before any query reads them (a deviation from the spec).
-        self.save_states(False)
-        return OK
-
-    cdef int rewind(self, size_t ncand, size_t j) noexcept nogil:
-        """Restore the checkpoint and replay the first j drafts (bit for bit
-        what the block computed for them)."""
-        if j == ncand:
-            return OK
-        self.restore_states(False)
-        self.s.position = self.block_pos
-        # (the replay's last logits equal the block's row j-1, which step() copies)
-        return seq_run(self.m, &self.w, &self.s, &self.st, self.cands, j, NULL, NULL,
-                       self.s.logits, &self.cancelled)
-
-    cdef int fallback_draft(self, size_t k, size_t *ncand) noexcept nogil:
-        ncand[0] = 0
-        if not self.draft_armed:
-            return OK
-        return self.neural(k, ncand)
-
-    cdef void save_states(self, bint only_drafted) noexcept nogil:
-        """Copy the GDN states and FIFOs to the checkpoint (only_drafted: just
-        those the neural drafter will advance)."""
-        cdef size_t i, n = self.m.state_len
-        cdef int g
-        if not only_drafted:
-            memcpy(self.ckpt, self.st.rec, self.m.n_states * n * sizeof(float))
-            return
-        for i in range(self.m.n_steps):
-            g = self.m.plan[i].state
-            if g >= 0 and not self.skip[i]:
-                memcpy(self.ckpt + g * n, self.st.rec + g * n, n * sizeof(float))
-
-    cdef void restore_states(self, bint only_drafted) noexcept nogil:
-        cdef size_t i, n = self.m.state_len
-        cdef int g
-        if not only_drafted:
-            memcpy(self.st.rec, self.ckpt, self.m.n_states * n * sizeof(float))
-            return
-        for i in range(self.m.n_steps):
-            g = self.m.plan[i].state
-            if g >= 0 and not self.skip[i]:
-                memcpy(self.st.rec + g * n, self.ckpt + g * n, n * sizeof(float))
-
-    cdef int neural(self, size_t k, size_t *ncand) noexcept nogil:
-        """Draft up to k tokens into cands: the head is the argmax of the live
-        logits, then the model with the skipped plan steps runs greedily on its
-        own guesses. Every state it touches is restored before returning.
-        XSA keys/values written past the position need no restoring: a position
-        is always written before any query reads it."""
-        cdef size_t n = 0, pos = self.s.position
-        cdef int rc = OK
-        ncand[0] = 0
-        if k < 2:
-            return OK
-        if k > MAX_K:
-            k = MAX_K
-        if self.draft_logits == NULL:
-            self.draft_logits = <float*>malloc(self.m.vocab * sizeof(float))
-            if self.draft_logits == NULL:
-                return NOMEM
-        self.cands[0] = <int64_t>argmax(self.s.logits, self.m.vocab)
-        n = 1
-        self.save_states(True)
-        while n < k and self.s.position < self.s.capacity:
-            if params_eos(&self.p, self.cands[n - 1]):
-                break
-            rc = seq_run(self.m, &self.w, &self.s, &self.st, &self.cands[n - 1], 1, NULL, self.skip,
-                         self.draft_logits, &self.cancelled)
-            if rc != OK:
-                break
-            self.cands[n] = <int64_t>argmax(self.draft_logits, self.m.vocab)
-            n += 1
-        self.restore_states(True)
-        self.s.position = pos
-        ncand[0] = n
-        return rc
-
-    # ---- Surjo-specific API ----
-
-    def set_draft_steps(self, steps):
-        """Arm the neural drafter with the plan steps it leaves out (indices
-        into Model.plan; an empty list drafts with the whole model), or disarm
-        it with None. next_tokens(spec_k=...) uses it when prompt lookup finds
-        nothing; verification keeps the output exactly greedy."""
-        cdef size_t i
-        if steps is None:
-            with self.lock:
-                self.draft_armed = False
-                memset(self.skip, 0, self.m.n_steps)
-            return
-        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
-            raise ValueError("draft steps must be a sequence of plan step indices")
-        chosen = list(steps)
-        for step in chosen:
-            if not is_int(step) or not 0 <= step < self.m.n_steps:
-                raise ValueError(f"draft step out of range: {step!r} (the plan has "
-                                 f"{self.m.n_steps} steps)")
-        with self.lock:
-            memset(self.skip, 0, self.m.n_steps)
-            for step in chosen:
-                self.skip[<size_t>step] = 1
-            self.draft_armed = True
-
-    @property
-    def draft_steps(self):
-        """The plan steps the neural drafter leaves out, or None when disarmed."""
-        if not self.draft_armed:
-            return None
-        return [i for i in range(self.m.n_steps) if self.skip[i]]
-
-    def neural_draft(self, k):
-        """Up to k draft tokens from the neural drafter (the steps of
-        set_draft_steps left out; none when it was never armed), leaving the
-        session's state exactly as it was. Drafts are greedy; fewer than 2
-        tokens are never drafted (the spec returns none for k < 2). k is at
-        most 16, the most candidates verify takes (the spec has no cap)."""
-        k = check_count(k, "k")
-        if k > MAX_K:
-            raise ValueError(f"k must be at most {MAX_K} (the most candidates verify takes), got {k}")
-        cdef size_t kk = k, n = 0, i
-        cdef int rc
-        with self.lock:
-            if self.s.finish != RUNNING:
-                return []
-            with nogil:
-                rc = self.run_prompt()
-                if rc == OK:
-                    rc = self.neural(kk, &n)
-            self.finish_call(rc)
-            return [self.cands[i] for i in range(n)]
-
-
-
-# ------------------------------------------------------------ the engine ---
-
 cdef class SurjoStepper(Stepper):
-    """The Surjo forward over a ragged batch (cism.Engine): each sequence's
-    XSA keys and values in the engine's pool pages (one "layer" per slot),
-    its GDN states and conv FIFOs in its own recurrent state."""
-    cdef const ModelC *m
-    cdef Work w
+    """The Surjo forward over a ragged batch (cism.Engine, sessions): each
+    sequence's XSA keys and values in pool pages (one "layer" per slot) or
+    in its own slots, its GDN states and conv FIFOs in its own recurrent
+    state."""
 
     def __cinit__(self, *args, **kwargs):
         memset(&self.w, 0, sizeof(Work))
+        self.skip = NULL
 
     def __init__(self, SurjoModel model):
         Stepper.__init__(self, model)
@@ -1193,6 +663,20 @@ cdef class SurjoStepper(Stepper):
         if kv_array(&self.kvs, &self.kvs_cap, b.n_runs) != 0:
             return NOMEM
         for r in range(b.n_runs):
-            kv_paged(&self.kvs[r], self.k_pages, self.v_pages, b.runs[r].blocks, self.n_pages, self.m.n_slots,
-                     self.m.kv_heads, self.m.head_dim, slot_elem_bytes(self.m))
-        return forward(self.m, &self.w, b, self.kvs, NULL)
+            if b.runs[r].kv != NULL:
+                self.kvs[r] = b.runs[r].kv[0]
+            else:
+                kv_paged(&self.kvs[r], self.k_pages, self.v_pages, b.runs[r].blocks, self.n_pages,
+                         self.m.n_slots, self.m.kv_heads, self.m.head_dim, slot_elem_bytes(self.m))
+        return forward(self.m, &self.w, b, self.kvs, self.skip)
+
+
+cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
+    capacity = prompt_len + max_new
+    if capacity > m.context:
+        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                         f"({prompt_len} + {max_new} > {m.context})")
+    state_bytes = kv_cache_bytes(slot_elem_bytes(m), m.n_slots, capacity, m.kv_width) + 4 * m.n_states * m.state_len
+    if state_bytes > MAX_KV_BYTES:
+        raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
+                         "XSA keys/values and GDN states)")

@@ -1,6 +1,8 @@
 # The base of every model class: the packed weights it keeps and the
 # controls over their memory (cimport cism._weights).
 from libc.stdint cimport uint64_t
+from cism._kernels cimport cism_mat
+from cism._layers cimport Rope
 
 cdef class WeightStore:
     cdef readonly object config
@@ -32,3 +34,18 @@ cdef class WeightStore:
     cdef object update_key(self)
     # CheckpointError when a mapped file changed since the load (each forward call's first step)
     cdef object check_mapped(self)
+    cdef list rope_keep       # inv_freq and the rotary tables (not weights)
+
+    # ---- the scaffold a family's constructor and classes build on ----
+    # The constructor's preamble: the config's class, the precisions and the
+    # threads checked and kept; returns (protected storage, MLP storage).
+    cpdef tuple begin(self, config, config_class, precision, act_precision, threads, code_version)
+    # check_weights against the shapes, and a tied head equal to the embedding
+    cdef dict load_weights(self, weights, shapes, bint tied)
+    # pack (or keep) a named matrix / vector; pointers into what the store keeps
+    cdef cism_mat* mat(self, name, dict arrays, storage) except NULL
+    cdef const float* vec(self, name, dict arrays) except NULL
+    # rotary tables (ROPE_TABLE_MAX positions), kept by the store
+    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=*)
+    # (families define session_class() and stepper_class(): the solo session
+    # and ragged-step classes the methods below use; see _weights.pyx)

@@ -1,6 +1,9 @@
 """What every model class shares: keeping packed weights and controlling
-their memory (lock_pages, unlock_pages, touch, scan), plus the load-time
-checks of one weight tensor."""
+their memory (lock_pages, unlock_pages, touch, scan), the load-time checks
+of one weight tensor, and the scaffold a family builds on: the
+constructor's preamble, rotary tables, and the session and evaluation
+methods (create_session, logits, nll, logits_all) over the family's
+session class."""
 import hashlib
 import threading
 
@@ -13,9 +16,12 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from posix.mman cimport mlock, munlock
 
+from cism._kernels cimport cism_mat
+from cism._layers cimport ROPE_TABLE_MAX, Rope
 from cism.matrix cimport ACT_FP32, ACT_Q8, Matrix
 
 from cism import _kernels
+from cism._threads import resolve_threads
 
 cnp.import_array()
 
@@ -202,6 +208,95 @@ cdef class WeightStore:
 
     cdef void apply_act_precision(self):
         pass
+
+    # ---- the family scaffold ----
+
+    cpdef tuple begin(self, config, config_class, precision, act_precision, threads, code_version):
+        """The constructor's preamble (callable from a Python family too):
+        config of config_class, precisions checked, threads resolved and
+        kept with the code version; returns (protected, MLP) storages."""
+        if not isinstance(config, config_class):
+            raise ValueError(f"config must be a {config_class.__module__}.Config, got {type(config).__name__}")
+        protected, mlp = check_precisions(precision, act_precision)
+        self.config = config
+        self.precision_ = precision
+        self.threads_ = resolve_threads(threads)
+        self.scan_threads = self.threads_
+        self.code_version = code_version
+        return protected, mlp
+
+    cdef dict load_weights(self, weights, shapes, bint tied):
+        arrays = check_weights(weights, shapes)
+        if tied and "lm_head.weight" in arrays:
+            if not np.array_equal(load_float(arrays["lm_head.weight"], "lm_head.weight"),
+                                  load_float(arrays["model.embed_tokens.weight"], "model.embed_tokens.weight")):
+                raise ValueError("tied lm_head.weight must equal model.embed_tokens.weight")
+        return arrays
+
+    cdef cism_mat* mat(self, name, dict arrays, storage) except NULL:
+        cdef Matrix m = self.add_any_matrix(name, arrays[name], self.storages_.get(name, storage),
+                                            self.threads_)
+        return &m.mat
+
+    cdef const float* vec(self, name, dict arrays) except NULL:
+        cdef cnp.ndarray a = self.add_vector(name, arrays[name])
+        return <const float*>cnp.PyArray_DATA(a)
+
+    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=None):
+        inv, cos_t, sin_t = rope_tables(theta, head_dim, context, ROPE_TABLE_MAX, divisors)
+        self.rope_keep = [inv, cos_t, sin_t]
+        r.inv_freq = <float*>cnp.PyArray_DATA(inv)
+        r.cos = <float*>cnp.PyArray_DATA(cos_t)
+        r.sin = <float*>cnp.PyArray_DATA(sin_t)
+        r.positions = cos_t.shape[0]
+        r.head_dim = head_dim
+
+    def session_class(self):
+        """The family's solo session class: (model, prompt, max_new_tokens,
+        temperature, top_p, top_k, seed, eos, *, min_p, repetition_penalty)."""
+        raise NotImplementedError
+
+    def stepper_class(self):
+        """The family's ragged step (a cism._step.Stepper class): (model)."""
+        raise NotImplementedError
+
+    def create_session(self, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                       seed=0, eos=(), *, min_p=0.0, repetition_penalty=1.0):
+        """A generation with its own cache or state. min_p and
+        repetition_penalty are extensions (off by default, leaving the
+        spec's sampler bit-exact)."""
+        return self.session_class()(self, prompt, max_new_tokens, temperature, top_p, top_k, seed,
+                                    eos, min_p=min_p, repetition_penalty=repetition_penalty)
+
+    def logits(self, prompt):
+        """Next-token logits after the prompt, float32 (vocab,)."""
+        s = self.session_class()(self, prompt, 0, 0.0, 1.0, 0, 0, ())
+        s._prefill_now()
+        return s.last_logits
+
+    def nll(self, tokens):
+        """Mean negative log-likelihood of tokens[1:] given the tokens before
+        (teacher forcing, positions from zero), chunk by chunk."""
+        return self.session_class()(self, tokens, 0, 0.0, 1.0, 0, 0, ())._nll()
+
+    def logits_all(self, tokens):
+        """Logits after every prefix of tokens, float32 (T, vocab): row i is
+        the distribution for token i+1 (for perplexity and KL evaluations)."""
+        return self.session_class()(self, tokens, 0, 0.0, 1.0, 0, 0, ())._all_logits()
+
+    def _engine_stepper(self):
+        """The forward over ragged batches that cism.Engine drives."""
+        return self.stepper_class()(self)
+
+    @property
+    def kv_precision(self):
+        """What the KV caches hold: ``"fp32"`` (default) or ``"fp16"``: keys
+        and values rounded to binary16 as they are stored (half the bytes
+        per cached position, so twice the positions per budget and faster
+        long-context decode; attention then runs in fp32 over the widened
+        values, with every bitwise guarantee kept; docs/EXACTNESS.md).
+        Chosen when the model is built (a family without a KV cache: fp32)."""
+        return self.kv_precision_
 
     @property
     def precision(self):

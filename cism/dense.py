@@ -12,7 +12,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from cism import _config as C
-from cism._dense import BatchSession, DenseModel, PagedSession, Session  # noqa: F401
+from cism._batch import BatchSession  # noqa: F401
+from cism._dense import DenseModel, Session  # noqa: F401
+from cism._paged import PagedSession  # noqa: F401
 from cism.generation import GenerationMixin
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

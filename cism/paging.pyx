@@ -9,7 +9,7 @@ model's head_dim: attention reads one (layer, head) stream at a time, and a
 request whose blocks are consecutive reads it as one run, as from a
 contiguous cache. The key memory holds each (layer, head, block)
 transposed, (head_dim, 16), 64-byte aligned: the key tiles that attention
-reads with keys in lanes (cism/_nn.pxd, csrc/kernels.h scores16).
+reads with keys in lanes (cism/_kvcache.pxd, csrc/kernels.h scores16).
 
 - The free stack is LIFO; a new pool hands out block 0 first.
 - Blocks are reference counted. ``fork`` shares a source's whole prefix

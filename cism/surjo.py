@@ -40,7 +40,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from cism import _config as C
-from cism._surjo import Session, SurjoModel  # noqa: F401
+from cism._surjo import SurjoModel  # noqa: F401
+from cism._surjo_session import Session  # noqa: F401
 from cism.matrix import MAX_COLS, MAX_ROWS
 from cism.generation import GenerationMixin
 

@@ -98,18 +98,36 @@ static void detect(void) {
 static void fill(int level) {
     memset(&table, 0, sizeof table);
     cism_fill_gemm_ref(&table);
+    cism_fill_gemm_q8_ref(&table);
+    cism_fill_attn_ref(&table);
+    cism_fill_convert_ref(&table);
     cism_fill_act_ref(&table);
 #ifdef CISM_X86
-    if (level >= CISM_ISA_AVX2) { cism_fill_gemm_avx2(&table); cism_fill_act_avx2(&table); }
-    if (level >= CISM_ISA_AVX512) { cism_fill_gemm_avx512(&table); cism_fill_act_avx512(&table); }
-    if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_avx512vnni(&table);
+    if (level >= CISM_ISA_AVX2) {
+        cism_fill_gemm_avx2(&table);
+        cism_fill_gemm_q8_avx2(&table);
+        cism_fill_attn_avx2(&table);
+        cism_fill_convert_avx2(&table);
+        cism_fill_act_avx2(&table);
+    }
+    if (level >= CISM_ISA_AVX512) {
+        cism_fill_gemm_avx512(&table);
+        cism_fill_gemm_q8_avx512(&table);
+        cism_fill_attn_avx512(&table);
+        cism_fill_convert_avx512(&table);
+        cism_fill_act_avx512(&table);
+    }
+    if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_q8_avx512vnni(&table);
 #ifdef CISM_HAVE_AMX
     /* bf16 without AMX (VDPBF16PS); the amx level's tile kernel replaces it */
-    if (level >= CISM_ISA_AVX512VNNI && cpu.avx512bf16) cism_fill_bf16_avx512(&table);
+    if (level >= CISM_ISA_AVX512VNNI && cpu.avx512bf16) cism_fill_gemm_avx512bf16(&table);
 #endif
     if (level >= CISM_ISA_AMX && amx_emulator) amx_emulator(&table, cism_scratch_get, cism_scratch_put);
 #ifdef CISM_HAVE_AMX
-    else if (level >= CISM_ISA_AMX) cism_fill_gemm_amx(&table);
+    else if (level >= CISM_ISA_AMX) {
+        cism_fill_gemm_amx(&table);
+        cism_fill_gemm_q8_amx(&table);
+    }
 #endif
 #endif
     level_in_use = level;

@@ -1,7 +1,8 @@
 /* Weight storage formats: the single definition of every packed layout.
  *
- * The Cython side mirrors this header in cism/_capi.pxd; the packing rules
- * live in pack.c and the NumPy re-implementation in tests/test_packing.py.
+ * The Cython side mirrors this header in cism/_kernels.pxd; the packing
+ * rules live in pack.c, and tests/test_matrix.py restates them in NumPy
+ * (np_int8, np_int4, np_fp4; test_packing_matches_numpy_rules).
  *
  * All packed buffers cism allocates are 64-byte aligned and followed by
  * CISM_SLACK zero bytes, so SIMD kernels may read a whole vector past the

@@ -158,10 +158,10 @@ typedef struct cism_kernels {
     cism_gemm_fn gemm_q4k_q8;                /* q4_k weights x q8 activations */
     cism_gemm_fn gemm_q6k_q8;                /* q6_k weights x q8 activations */
     /* The opt-in bf16 precision (any storage x bf16 activations, fp32 sums
-     * in the hardware's order; see gemm_amx.c and gemm_bf16_avx512.c). NULL
-     * where neither AMX-BF16 (amx level) nor AVX512-BF16 (avx512vnni level
-     * and up) runs, or CISM_ISA caps below them: callers keep the canonical
-     * kernels. */
+     * in the hardware's order; see gemm/gemm_amx.c and gemm/gemm_avx512bf16.c).
+     * NULL where neither AMX-BF16 (amx level) nor AVX512-BF16 (avx512vnni
+     * level and up) runs, or CISM_ISA caps below them: callers keep the
+     * canonical kernels. */
     cism_gemm_fn gemm_bf16;
     cism_pack_bf16_fn pack_bf16;
     cism_dot_fn dot;
@@ -206,7 +206,8 @@ const char *cism_isa_error(void);
  * CPU cannot run it. Not thread-safe: call while no kernel runs. */
 int cism_set_isa(int level);
 /* Tests only: an emulated tile unit for the amx level where the CPU has none.
- * `fill` (tests/native/amx_harness.c: gemm_amx.c built over scalar stand-ins
+ * `fill` (tests/native/amx_harness.c: gemm/gemm_amx.c and gemm_q8/gemm_q8_amx.c
+ * built over scalar stand-ins
  * for the tile instructions) fills the amx slots, given this library's
  * scratch functions so that cism_scratch_fail reaches its kernels. While it
  * is installed cism_set_isa(CISM_ISA_AMX) fills the table with it; NULL
@@ -218,13 +219,31 @@ typedef void (*cism_amx_emulator)(cism_kernels *k, void *(*scratch_get)(size_t),
 int cism_emulate_amx(cism_amx_emulator fill);
 
 /* Table fillers, one per family and ISA, each in its own translation unit
- * compiled with only that ISA's flags. */
+ * (csrc/<family>/<family>_<isa>.c) compiled with only that ISA's flags:
+ *   gemm     fp32 activations, every storage (gemm[]); the opt-in bf16
+ *            precision (gemm_bf16, pack_bf16) at amx (the tile unit) and
+ *            at avx512bf16 (VDPBF16PS, installed from the avx512vnni level
+ *            where the CPU has AVX512-BF16; the amx level replaces it)
+ *   gemm_q8  integer weights x q8 activations (gemm_*_q8)
+ *   attn     dot, axpy, axpy_tile(_h), scores16(_h)
+ *   convert  to_f16, quant8
+ *   act      the vector activations, softmax, argmax */
 void cism_fill_gemm_ref(cism_kernels *k);
 void cism_fill_gemm_avx2(cism_kernels *k);
 void cism_fill_gemm_avx512(cism_kernels *k);
-void cism_fill_gemm_avx512vnni(cism_kernels *k);
 void cism_fill_gemm_amx(cism_kernels *k);
-void cism_fill_bf16_avx512(cism_kernels *k);
+void cism_fill_gemm_avx512bf16(cism_kernels *k);
+void cism_fill_gemm_q8_ref(cism_kernels *k);
+void cism_fill_gemm_q8_avx2(cism_kernels *k);
+void cism_fill_gemm_q8_avx512(cism_kernels *k);
+void cism_fill_gemm_q8_avx512vnni(cism_kernels *k);
+void cism_fill_gemm_q8_amx(cism_kernels *k);
+void cism_fill_attn_ref(cism_kernels *k);
+void cism_fill_attn_avx2(cism_kernels *k);
+void cism_fill_attn_avx512(cism_kernels *k);
+void cism_fill_convert_ref(cism_kernels *k);
+void cism_fill_convert_avx2(cism_kernels *k);
+void cism_fill_convert_avx512(cism_kernels *k);
 void cism_fill_act_ref(cism_kernels *k);
 void cism_fill_act_avx2(cism_kernels *k);
 void cism_fill_act_avx512(cism_kernels *k);

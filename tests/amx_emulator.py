@@ -1,4 +1,4 @@
-"""The AMX kernels (csrc/gemm/gemm_amx.c) on an emulated tile unit.
+"""The AMX kernels (csrc/gemm/gemm_amx.c, csrc/gemm_q8/gemm_q8_amx.c) on an emulated tile unit.
 
 Where the CPU has no AMX (or Linux does not grant it) the kernels cannot
 run, so their logic (tile configurations, addressing, the pipelined

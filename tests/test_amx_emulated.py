@@ -1,10 +1,11 @@
-"""The AMX kernels (csrc/gemm/gemm_amx.c) on the emulated tile unit of
-tests/amx_emulator.py, on every CPU with AVX-512 VNNI and AVX512-BF16 (a
-real tile unit or not): the integer x q8 kernels bit for bit against the
-reference kernels, the bf16 kernel bit for bit against test_bf16.py's
-emulate_tile_unit (the SDM's TDPBF16PS arithmetic), over row, token and
-column tails and thread splits. On AMX machines tests/test_matrix.py and
-tests/test_bf16.py run the same kernels on the real unit.
+"""The AMX kernels (csrc/gemm/gemm_amx.c: bf16; csrc/gemm_q8/gemm_q8_amx.c:
+integer x q8) on the emulated tile unit of tests/amx_emulator.py, on every
+CPU with AVX-512 VNNI and AVX512-BF16 (a real tile unit or not): the
+integer x q8 kernels bit for bit against the reference kernels, the bf16
+kernel bit for bit against test_bf16.py's emulate_tile_unit (the SDM's
+TDPBF16PS arithmetic), over row, token and column tails and thread splits.
+On AMX machines tests/test_matrix.py and tests/test_bf16.py run the same
+kernels on the real unit.
 """
 import numpy as np
 import pytest

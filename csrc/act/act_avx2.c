@@ -10,7 +10,7 @@
  * runs the same vector code. y may alias the inputs: each step loads before
  * it stores, and the tail copies its inputs out first.
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 #include <math.h>

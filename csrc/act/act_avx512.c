@@ -9,7 +9,7 @@
  * on zeros and are never written). y may alias the inputs: each step loads
  * before it stores.
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 #include <float.h>

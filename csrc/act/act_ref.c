@@ -25,7 +25,7 @@
  *             x <= -13.1347 the exponent falls below EXP_LO and it returns -0,
  *             absolute error < 1.4e-38). gelu(-inf) is NaN (-inf * 0).
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <math.h>
 

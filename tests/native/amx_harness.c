@@ -1,5 +1,6 @@
-/* The AMX kernels of csrc/gemm/gemm_amx.c over the emulated tile unit of
- * amx_emulate.h, built with gcc and loaded with ctypes by tests/amx_emulator.py.
+/* The AMX kernels of csrc/gemm/gemm_amx.c (bf16) and csrc/gemm_q8/gemm_q8_amx.c
+ * (integer x q8) over the emulated tile unit of amx_emulate.h, built with gcc
+ * and loaded with ctypes by tests/amx_emulator.py.
  * Two ways in: cism_emu_gemm_q8 calls an integer kernel on one row range
  * (tests/test_amx_emulated.py), and cism_emu_fill fills the amx slots of
  * cism's own dispatch table (cism._kernels._emulate_amx), so that Matrix,
@@ -15,8 +16,10 @@ void *emu_scratch_get(size_t bytes);
 void emu_scratch_put(void *p);
 #define cism_scratch_get emu_scratch_get
 #define cism_scratch_put emu_scratch_put
-/* The kernel source (the only include of it; a move of csrc/gemm/ changes this line). */
+/* The kernel sources (the only includes of them; a move of csrc/gemm/ or
+ * csrc/gemm_q8/ changes these lines). */
 #include "../../csrc/gemm/gemm_amx.c"
+#include "../../csrc/gemm_q8/gemm_q8_amx.c"
 #undef cism_scratch_get
 #undef cism_scratch_put
 #include "../../csrc/scratch.c"
@@ -52,12 +55,14 @@ EMU_WRAP(emu_gemm_int8_q8, kernel_int8)
 EMU_WRAP(emu_gemm_int4_q8, kernel_int4)
 EMU_WRAP(emu_gemm_fp4_q8, kernel_fp4)
 
-/* The filler cism._kernels._emulate_amx installs: gemm_amx.c's own, its
- * kernels wrapped to report refused shapes, named as emulated. */
+/* The filler cism._kernels._emulate_amx installs: gemm_amx.c's and
+ * gemm_q8_amx.c's own, their kernels wrapped to report refused shapes, named
+ * as emulated. */
 void cism_emu_fill(cism_kernels *k, void *(*get)(size_t), void (*put)(void *)) {
     scratch_get = get;
     scratch_put = put;
     cism_fill_gemm_amx(k);
+    cism_fill_gemm_q8_amx(k);
     kernel_bf16 = k->gemm_bf16;
     kernel_int8 = k->gemm_int8_q8;
     kernel_int4 = k->gemm_int4_q8;
@@ -82,7 +87,7 @@ static cism_kernels table;
 int cism_emu_gemm_q8(int storage, const void *codes, size_t rows, size_t cols, size_t row_bytes,
                      size_t scale_offset, const float *row_scales, const int8_t *q8, const float *qscale,
                      size_t ldq, size_t ldqs, size_t T, size_t r0, size_t r1, float *Y) {
-    cism_fill_gemm_amx(&table);
+    cism_fill_gemm_q8_amx(&table);
     const cism_mat W = {storage, rows, cols, codes, row_bytes, scale_offset, row_scales};
     int err = 0;
     cism_act A;

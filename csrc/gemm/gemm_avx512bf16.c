@@ -21,9 +21,11 @@
  * A pass is 32 rows x up to 12 tokens: 24 accumulators, two weight vectors
  * and a broadcast of the 32 zmm registers, 24 VDPBF16PS per k pair. A
  * token's 32 results are two contiguous stores into its output row. */
-/* (only the dequantization and transpose of the included family are used) */
-#pragma GCC diagnostic ignored "-Wunused-function"
-#include "gemm_avx512.c"
+/* dequant_rows (the floats the exact tiles multiply, as gemm_amx.c rounds
+ * them), transpose16 and fill_e4m3_half come from the shared AVX-512
+ * headers, as for the tile kernel. */
+#include "dequant_avx512.h"
+#include "scratch.h"
 
 #define BF_ROWS 32   /* weight rows per block: two vectors of 16 rows */
 #define BF_TOKENS 12 /* tokens per pass */
@@ -158,7 +160,7 @@ static void gemm_bf16_avx512(const cism_mat *W, size_t r0, size_t r1, const cism
 
 /* Installed at the avx512vnni level when the CPU has AVX512-BF16; the amx
  * level, where granted, replaces it with the tile kernel. */
-void cism_fill_bf16_avx512(cism_kernels *k) {
+void cism_fill_gemm_avx512bf16(cism_kernels *k) {
     fill_e4m3_half(); /* this translation unit's copy of the fp4 scale table */
     k->gemm_bf16 = gemm_bf16_avx512;
     k->pack_bf16 = pack_bf16_avx512;

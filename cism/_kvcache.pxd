@@ -1,95 +1,14 @@
-# Small numeric helpers the model families share, inlined into each module
-# (cimport cism._nn). Plain C arithmetic, compiled without FMA contraction, so
-# every module computes them identically.
-from libc.math cimport sqrt
-from libc.stdlib cimport calloc, free
-from libc.stdint cimport uint16_t, uint32_t
+# KV caches in key tiles, their addressing (contiguous or through a block
+# table into pool pages), and the loops over key tiles and value runs that
+# attention reads them with (cimport cism._kvcache; dense layers, Surjo's
+# XSA slots). Inlined into each module, compiled without FMA contraction.
+from libc.stdlib cimport calloc, free, malloc
+from libc.stdint cimport uint16_t
 from libc.string cimport memcpy, memset
 from cism._kernels cimport cism_kernels
 
-cdef extern from "<stdlib.h>" nogil:
-    void *aligned_alloc(size_t alignment, size_t size)
-
 cdef extern from * nogil:
     void __builtin_prefetch(const void *addr, int rw, int locality)
-
-cdef extern from "flag.h" nogil:
-    void cism_flag_set(int *p, int v)
-
-cdef inline int grow_f(float **p, size_t n) noexcept nogil:
-    """Replace p[0] by a buffer of n floats (and 64 spare bytes), 64-byte
-    aligned so that kernel loads never straddle cache lines. The old
-    contents are NOT kept: every caller grows a buffer before filling it.
-    On failure p[0] is NULL (and free()-able)."""
-    free(p[0])
-    p[0] = <float*>aligned_alloc(64, (n * sizeof(float) + 64 + 63) // 64 * 64)
-    return -1 if p[0] == NULL else 0
-
-
-cdef inline bint all_finite_f(const float *x, size_t n) noexcept nogil:
-    """No inf or NaN among n floats: their exponent bits OR-reduced without
-    an early exit, so the compiler vectorizes the scan (a model's logits,
-    once per forward: the scalar test with its early return took about
-    25 us on 49152 logits, 6-8 us this way, while the other threads wait)."""
-    cdef const uint32_t *u = <const uint32_t*>x
-    cdef uint32_t bad = 0
-    cdef size_t i
-    for i in range(n):
-        bad |= <uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u)
-    return bad == 0
-
-
-cdef inline void rmsnorm(const float *x, float *out, const float *weight, size_t n, float eps) noexcept nogil:
-    # sum of squares in double, one float scale (in place is fine: out[i] only after x[i])
-    cdef double sum = 0
-    cdef size_t i
-    for i in range(n):
-        sum += <double>x[i] * x[i]
-    cdef float scale = <float>(1.0 / sqrt(sum / <double>n + eps))
-    for i in range(n):
-        out[i] = (x[i] * scale) * weight[i]
-
-
-cdef inline void add_into(float *x, const float *y, size_t n) noexcept nogil:
-    cdef size_t i
-    for i in range(n):
-        x[i] += y[i]
-
-
-cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, const float *s) noexcept nogil:
-    # HF rotate-half: pairs (j, j + dim/2)
-    cdef size_t h, j, half = dim // 2
-    cdef float a, b
-    for h in range(heads):
-        for j in range(half):
-            a = v[h * dim + j]
-            b = v[h * dim + j + half]
-            v[h * dim + j] = a * c[j] - b * s[j]
-            v[h * dim + j + half] = b * c[j] + a * s[j]
-
-
-# ---- attention by query tiles (cism/_dense.pyx and cism/_surjo.pyx) ----
-# nq queries at consecutive positions p0.. of one sequence; every query gets
-# exactly the arithmetic of attending alone (docs/EXACTNESS.md).
-
-cdef inline void tile_softmax(const cism_kernels *K, float *sc, size_t ldsc, size_t nq, size_t p0,
-                              float scale, float *out, size_t ldo, size_t hd, int *bad) noexcept nogil:
-    """Row i of sc (positions 0..p0 + i) becomes the weights of query i
-    (K.softmax: times scale, minus the maximum, exp, each divided by the
-    sum, the maximum and the sum by 16 lanes and the canonical tree).
-    Zeroes each query's output row (hd floats). A row holding a non-finite
-    score sets bad[0] (the spec's "non-finite attention score"; the scale
-    is positive and at most 1, so the unscaled dots are finite exactly when
-    the scaled ones are)."""
-    cdef size_t i
-    for i in range(nq):
-        if not all_finite_f(sc + i * ldsc, p0 + i + 1):
-            cism_flag_set(bad, 1)
-        K.softmax(sc + i * ldsc, p0 + i + 1, scale)
-        memset(out + i * ldo, 0, hd * sizeof(float))
-
-
-# ---- KV caches in key tiles (cism/_dense.pyx, cism/_surjo.pyx) ----
 
 cdef struct KV:
     # A KV cache (dense models: per layer; Surjo: per XSA slot, as `layers`).
@@ -104,7 +23,7 @@ cdef struct KV:
     # head_dim): each (layer, KV head) a stream of blocks, so consecutive
     # blocks read as one run; `blocks` maps position // 16 to a page.
     # Elements are float32, or binary16 (esize 2) when the model's
-    # kv_precision is fp16 (dense models); offsets below are in elements.
+    # kv_precision is fp16; offsets below are in elements.
     char *keys
     char *values
     void *keys_mem
@@ -112,6 +31,50 @@ cdef struct KV:
     const size_t *blocks
     size_t nblocks
     size_t layers, kv_width, kv_heads, head_dim, esize
+
+
+cdef inline size_t kv_cache_bytes(size_t esize, size_t layers, size_t capacity, size_t kv_width) noexcept nogil:
+    """Bytes of a contiguous cache: values by position, keys by whole tiles of 16."""
+    return esize * layers * (capacity + (capacity + 15) // 16 * 16) * kv_width
+
+
+cdef inline size_t kv_block_bytes(size_t esize, size_t layers, size_t kv_width) noexcept nogil:
+    """Bytes of one pool block: 16 positions' keys and values in every layer."""
+    return layers * 16 * kv_width * 2 * esize
+
+
+cdef inline int kv_alloc(KV *kv, size_t layers, size_t capacity, size_t kv_heads, size_t head_dim,
+                         size_t esize) noexcept nogil:
+    """A contiguous cache for capacity positions (once: a second call keeps
+    the first's memory). Keys are zeroed (calloc: lazily, page by page), so
+    the lanes of the last tile past the written positions hold zeros, never
+    stray bits. All or nothing: 0, or -1 with nothing left allocated."""
+    cdef size_t tiles = (capacity + 15) >> 4
+    kv.capacity = capacity
+    kv.blocks = NULL
+    kv.nblocks = 0
+    kv.layers = layers
+    kv.kv_heads = kv_heads
+    kv.head_dim = head_dim
+    kv.kv_width = kv_heads * head_dim
+    kv.esize = esize
+    if kv.keys_mem != NULL:
+        return 0
+    kv.keys_mem = calloc(layers * tiles * 16 * kv.kv_width * esize + 64, 1)
+    kv.values = <char*>malloc(layers * capacity * kv.kv_width * esize + 64)
+    if kv.keys_mem == NULL or kv.values == NULL:
+        kv_free(kv)
+        return -1
+    kv.keys = <char*>((<size_t>kv.keys_mem + 63) // 64 * 64)
+    return 0
+
+
+cdef inline void kv_free(KV *kv) noexcept nogil:
+    free(kv.keys_mem)
+    free(kv.values)
+    kv.keys_mem = NULL
+    kv.keys = NULL
+    kv.values = NULL
 
 
 cdef inline int kv_array(KV **kvs, size_t *cap, size_t n) noexcept nogil:

@@ -1,4 +1,4 @@
-"""Argument checks and conversions every model family's sessions share, with
+"""Argument checks and conversions every session and request shares, with
 the spec's messages."""
 import numpy as np
 
@@ -12,7 +12,6 @@ from cism.sampling cimport check_knobs, check_sampling
 
 cnp.import_array()
 
-FINISH_NAMES = ("", "stop", "length", "cancelled")
 MAX_SPEC_K = 16
 
 
@@ -44,17 +43,6 @@ cdef object check_count(value, name):
     return int(value)
 
 
-cdef object arm_cancel(int *flag, checks):
-    """The sessions' _cancel_after(checks): arm the cancel flag to trip at the
-    checks-th cancellation point the compute reaches (csrc/flag.h), so tests
-    stop a run at every point on purpose instead of by thread timing.
-    cancel() still wins at any time, and a cancelled session stays so."""
-    if not is_int(checks) or not 1 <= checks < 2**31:
-        raise ValueError(f"checks must be an integer in [1, 2^31), got {checks!r}")
-    if not cism_flag_get(flag):
-        cism_flag_set(flag, -<int>checks)
-
-
 cdef object check_spec_k(spec_k, const Params *p):
     if not is_int(spec_k) or (spec_k != 0 and not 2 <= spec_k <= MAX_SPEC_K):
         raise ValueError(f"spec_k must be 0 (off) or in [2, {MAX_SPEC_K}], got {spec_k!r}")
@@ -80,15 +68,6 @@ cdef object parse_params(Params *p, size_t vocab, temperature, top_p, top_k, eos
         raise MemoryError
     if len(e):
         memcpy(p.eos, cnp.PyArray_DATA(e), len(e) * sizeof(int64_t))
-
-
-cdef object raise_for(int rc, what="inference"):
-    if rc == NOMEM:
-        raise MemoryError(f"out of memory during {what}; the session is cancelled")
-    if rc == NONFINITE:
-        raise RuntimeError(f"non-finite logits during {what}; the session is cancelled")
-    if rc == NONFINITE_SCORE:
-        raise RuntimeError(f"non-finite attention score during {what}; the session is cancelled")
 
 
 cdef object logits_copy(const float *p, size_t n):

@@ -1,0 +1,477 @@
+/* Integer weights x q8 activations with AVX-512 VNNI: the avx512vnni and
+ * amx levels' shared code. Their byte sums by vpdpbusd (one instruction per
+ * 64 multiply-adds) for the dots-in-lanes template (q8_avx512.h, included
+ * here), and from TQ_MIN_TOKENS tokens on the tokens-in-lanes kernels
+ * below. The including file names Q8_DOT4 dot4_vnni, Q8_I8_SUMS
+ * i8_sums_vnni and its nibble operations (see q8_avx512.h) first. */
+#ifndef CISM_Q8_VNNI_H
+#define CISM_Q8_VNNI_H
+
+#include "simd_avx512.h"
+#include "scratch.h"
+
+/* u8 x s8 four-element lane sums added to acc. */
+ALWAYS_INLINE __m512i dot4_vnni(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+
+/* int8 x q8 unit sums (see i8_sums_signs): vpdpbusd multiplies unsigned by
+ * signed bytes, so the weights go in as w + 128 (w ^ 0x80) and each sum
+ * starts from -128 * (the activations' group sum): it ends at exactly
+ * sum(w * a). */
+ALWAYS_INLINE void i8_sums_vnni(const int R, const int TT, const uint8_t *const rows[8], const cism_act *A,
+                                size_t t, size_t u, __m512i v[16]) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    __m512i a[4], start[4];
+    for (int j = 0; j < TT; j++) {
+        a[j] = _mm512_loadu_si512((const void *)(A->q8 + (t + j) * A->ldq + 64 * u));
+        start[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, a[j]));
+    }
+    for (int i = 0; i < R; i++) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rows[i] + 64 * u)), bias);
+        for (int j = 0; j < TT; j++) v[i * TT + j] = _mm512_dpbusd_epi32(start[j], w, a[j]);
+    }
+}
+
+#include "q8_avx512.h"
+
+/* ---- several tokens x q8 with VNNI: tokens in lanes ----
+ *
+ * From TQ_MIN_TOKENS tokens on, the q8 activations of each group of 16
+ * tokens are transposed once per call (the layout of the AMX B tiles: one
+ * zmm holds dword k of a 64-element unit for the 16 tokens) and flipped to
+ * unsigned bytes a + 128. Each weight dword (4 signed bytes: the int8 codes
+ * as packed, or int4/fp4 rows unpacked to bytes once per pass) is broadcast
+ * to vpdpbusd against them, so a lane ends a block holding the block sum of
+ * one (row, token) with no horizontal reduction: s_b = sum((a + 128) w) -
+ * 128 sum(w), the second sum taken once per row and pass (bytes past the
+ * row, met by a = 0, cancel in the difference). The chain then folds with
+ * lane = token, as on the tile unit: acc = fma((float)s_b, c_b, acc). The
+ * same bits as the reference, without the per-dot reductions and scale
+ * gathers of the dots-in-lanes tiles (kept below TQ_MIN_TOKENS, where 16
+ * token lanes would go mostly unused). */
+#define TQ_MIN_TOKENS 8
+#define TQ_PASS 8 /* token groups of 16 per pass over the rows */
+
+/* acc[m] lane n = the result of row r + m, token t0 + n: stored as token
+ * rows (one masked 16-row store per token, rows r..r+rn-1, tokens
+ * t0..t0+tn-1), through a 16 x 16 transpose. */
+ALWAYS_INLINE void store_rows16(const __m512 acc[16], size_t rn, size_t tn, float *Y, size_t ldy, size_t t0,
+                                size_t r) {
+    __m512i in[16], out[16];
+    for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
+    transpose16(in, out); /* out[n]: token n's 16 rows */
+    const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+    for (size_t n = 0; n < tn; n++) _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+}
+
+/* Tokens t..t+tn-1 (tn <= 16, missing ones zero) transposed: unit u at
+ * B + 256 u (int32s), its row k holding dword k of the unit for each token
+ * (the layout of an AMX B tile; a 32-element block is 8 such rows, a
+ * 16-element one 4); the block scales of block b at S + 16 b. flip: the
+ * bytes as unsigned a + 128 (for vpdpbusd), else as they are (TDPBSSD). */
+MAYBE_UNUSED void pack_q8_group(const cism_act *A, size_t t, size_t tn, size_t units, int32_t *B, float *S, int flip) {
+    const __m512i bias = _mm512_set1_epi8(flip ? (char)0x80 : 0);
+    for (size_t u = 0; u < units; u++) {
+        __m512i in[16], out[16];
+        for (size_t n = 0; n < 16; n++)
+            in[n] = n < tn ? _mm512_loadu_si512((const void *)(A->q8 + (t + n) * A->ldq + 64 * u))
+                           : _mm512_setzero_si512();
+        transpose16(in, out); /* out[k] = dword k of the unit, all tokens */
+        for (int k = 0; k < 16; k++)
+            _mm512_store_si512((void *)(B + 256 * u + 16 * k), _mm512_xor_si512(out[k], bias));
+        for (size_t h = 0; h < 2; h++)
+            for (size_t n = 0; n < 16; n++)
+                S[16 * (2 * u + h) + n] = n < tn ? A->qscale[(t + n) * A->ldqs + 2 * u + h] : 0.0f;
+    }
+}
+
+/* Rows r..r+rn-1 (rn <= 16) as signed bytes at wb (row stride kp = 64 *
+ * units; rows rn..15 zero) and their block scales at cw (row stride ldc). */
+ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t rn, size_t units,
+                                int8_t *wb, float *cw, size_t ldc) {
+    const size_t kp = 64 * units, so = W->scale_offset;
+    const size_t blocks = cism_div_up(W->cols, S == CISM_INT4 ? 32 : 16);
+    for (size_t m = 0; m < 16; m++) {
+        int8_t *o = wb + m * kp;
+        if (m >= rn) {
+            memset(o, 0, kp);
+            memset(cw + m * ldc, 0, ldc * sizeof(float));
+            continue;
+        }
+        const uint8_t *row = (const uint8_t *)W->codes + (r + m) * W->row_bytes;
+        for (size_t u = 0; u < units; u++) {
+            __m512i v;
+            if (S == CISM_INT4) {
+                v = int4_unit(1, row, u);
+            } else {
+                /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2));
+                /* (Q8_LUT16 reads only an index's low nibble) */
+                const __m256i lo = x, hi = _mm256_srli_epi16(x, 4);
+                /* [0-15 | 32-47] and [16-31 | 48-63] -> element order */
+                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)),
+                                                     _mm256_unpackhi_epi8(lo, hi), 1);
+                const __m512i nib = _mm512_shuffle_i64x2(z, z, 0xd8);
+                v = Q8_LUT16(table, nib);
+            }
+            _mm512_store_si512((void *)(o + 64 * u), v);
+        }
+        /* blocks past the row are never issued; their scales stay 0 */
+        for (size_t b = 0; b < ldc; b++)
+            cw[m * ldc + b] = b >= blocks ? 0.0f
+                              : S == CISM_INT4 ? cism_int4_scale(row, so, b) : e4m3_half[row[so + b]];
+    }
+}
+
+/* 128 * (the sum of each weight block) of 16 rows of signed weight bytes
+ * (w[m], units of 64), at ws + 16 b + m: vpdpbusd with unsigned ones, then
+ * the block sums of 8 rows at a time. */
+ALWAYS_INLINE void row_sums16(const int S, const int8_t *const w[16], size_t units, int32_t *ws) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (size_t u = 0; u < units; u++)
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                           _mm512_loadu_si512((const void *)(w[8 * h + i] + 64 * u)));
+            if (S == CISM_FP4) {
+                __m512i f01, f23;
+                block_sums4x4(v, &f01, &f23);
+                f01 = _mm512_slli_epi32(f01, 7);
+                f23 = _mm512_slli_epi32(f23, 7);
+                int32_t *o = ws + 16 * 4 * u + 8 * h;
+                _mm256_storeu_si256((__m256i *)o, _mm512_castsi512_si256(f01));
+                _mm256_storeu_si256((__m256i *)(o + 16), _mm512_extracti64x4_epi64(f01, 1));
+                _mm256_storeu_si256((__m256i *)(o + 32), _mm512_castsi512_si256(f23));
+                _mm256_storeu_si256((__m256i *)(o + 48), _mm512_extracti64x4_epi64(f23, 1));
+            } else {
+                const __m512i f = _mm512_slli_epi32(block_sums8(v), 7);
+                int32_t *o = ws + 16 * 2 * u + 8 * h;
+                _mm256_storeu_si256((__m256i *)o, _mm512_castsi512_si256(f));
+                _mm256_storeu_si256((__m256i *)(o + 16), _mm512_extracti64x4_epi64(f, 1));
+            }
+        }
+}
+
+/* R rows (w[i]: signed weight bytes; ws: their 128 * block sums at
+ * ws + 16 b + i; cw: int4/fp4 block scales at cw[i * ldc + b]) x G groups
+ * of 16 tokens (Bg + g * gstride, scales Sg + g * sstride): acc[i][g] lane
+ * n = the chain of row i, token 16 g + n, over blocks [0, blocks). */
+ALWAYS_INLINE void tq_tile(const int S, const int R, const int G, const int8_t *const *w, const int32_t *ws,
+                           const float *cw, size_t ldc, const int32_t *Bg, size_t gstride, const float *Sg,
+                           size_t sstride, size_t blocks, __m512 acc[4][2]) {
+    const int KD = S == CISM_FP4 ? 4 : 8; /* dwords per block */
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < G; g++) acc[i][g] = _mm512_setzero_ps();
+    for (size_t b = 0; b < blocks; b++) {
+        __m512i ai[4][2];
+        for (int i = 0; i < R; i++)
+            for (int g = 0; g < G; g++) ai[i][g] = _mm512_set1_epi32(-ws[16 * b + i]);
+        for (int k = 0; k < KD; k++) {
+            const size_t d = (size_t)KD * b + k; /* dword d of the row: B row d % 16 of unit d / 16 */
+            __m512i av[2];
+            for (int g = 0; g < G; g++) av[g] = _mm512_load_si512((const void *)(Bg + g * gstride + 16 * d));
+            for (int i = 0; i < R; i++) {
+                int32_t x;
+                memcpy(&x, w[i] + 4 * d, 4);
+                const __m512i wb = _mm512_set1_epi32(x);
+                for (int g = 0; g < G; g++) ai[i][g] = _mm512_dpbusd_epi32(ai[i][g], av[g], wb);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 s = _mm512_load_ps(Sg + g * sstride + 16 * (S == CISM_FP4 ? b / 2 : b));
+            for (int i = 0; i < R; i++) {
+                const __m512 c = S == CISM_INT8 ? s : _mm512_mul_ps(s, _mm512_set1_ps(cw[i * ldc + b]));
+                acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[i][g]), c, acc[i][g]);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                size_t T, float *Y, size_t ldy) {
+    const size_t KB = S == CISM_FP4 ? 16 : 32;
+    const size_t units = cism_div_up(W->cols, 64), blocks = cism_div_up(W->cols, KB), nbk = units * (64 / KB);
+    const size_t groups = cism_div_up(T, 16), kp = 64 * units;
+    const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
+    const size_t w_bytes = S == CISM_INT8 ? 0 : 16 * kp;
+    const size_t ws_bytes = cism_div_up(16 * nbk * sizeof(int32_t), 64) * 64;
+    const size_t c_bytes = S == CISM_INT8 ? 0 : cism_div_up(16 * nbk * sizeof(float), 64) * 64;
+    if (r1 <= r0) return;
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + w_bytes + ws_bytes + c_bytes);
+    if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
+        gemm_q_tpl(S, W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sc = (float *)(mem + b_bytes);
+    int8_t *wb = (int8_t *)(mem + b_bytes + s_bytes);
+    int32_t *ws = (int32_t *)(mem + b_bytes + s_bytes + w_bytes);
+    float *cw = (float *)(mem + b_bytes + s_bytes + w_bytes + ws_bytes);
+    for (size_t g = 0; g < groups; g++) {
+        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+        pack_q8_group(A, 16 * g, tn, units, B + g * units * 256, Sc + g * units * 32, 1);
+    }
+    for (size_t g0 = 0; g0 < groups; g0 += TQ_PASS)
+    for (size_t r = r0; r < r1; r += 16) {
+        const size_t g1 = groups - g0 < TQ_PASS ? groups : g0 + TQ_PASS;
+        const size_t rn = r1 - r < 16 ? r1 - r : 16;
+        const int8_t *w[16];
+        if (S == CISM_INT8) {
+            /* the packed codes themselves; rows past rn repeat the last one
+             * (computed, not stored) */
+            for (size_t m = 0; m < 16; m++)
+                w[m] = (const int8_t *)W->codes + (r + (m < rn ? m : rn - 1)) * W->row_bytes;
+        } else {
+            nib_unpack16(S, W, r, rn, units, wb, cw, nbk);
+            for (size_t m = 0; m < 16; m++) w[m] = wb + m * kp;
+        }
+        row_sums16(S, w, units, ws);
+        /* the next 16 rows come from memory: fetch them while these are
+         * multiplied, a quarter per 4-row tile of the first token groups */
+        const uint8_t *next = r + 32 <= r1 ? (const uint8_t *)W->codes + (r + 16) * W->row_bytes : NULL;
+        for (size_t g = g0; g < g1; g += 2) {
+            const size_t G = g1 - g < 2 ? g1 - g : 2;
+            const int32_t *Bg = B + g * units * 256;
+            const float *Sg = Sc + g * units * 32;
+            /* the 16 rows' results, row-major per group, then written
+             * transposed: one 16-row store per token instead of 16 scalar
+             * stores a row stride apart (which all meet in few cache sets
+             * when the stride is a multiple of 4 KiB) */
+            __attribute__((aligned(64))) float buf[2][16][16];
+            for (size_t i0 = 0; i0 < rn; i0 += 4) {
+                const size_t R = rn - i0 < 4 ? rn - i0 : 4;
+                if (next && g == g0)
+                    for (size_t o = 0; o < 4 * W->row_bytes; o += 64)
+                        _mm_prefetch((const char *)(next + i0 * W->row_bytes + o), _MM_HINT_T0);
+                const float *cwi = cw + i0 * nbk;
+                __m512 acc[4][2];
+                for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(); /* (for the compiler) */
+#define TQ_CASE(RR, GG)                                                                                  \
+    tq_tile(S, RR, GG, w + i0, ws + i0, cwi, nbk, Bg, units * 256, Sg, units * 32, blocks, acc)
+                switch (4 * (G - 1) + R - 1) {
+                case 0: TQ_CASE(1, 1); break;
+                case 1: TQ_CASE(2, 1); break;
+                case 2: TQ_CASE(3, 1); break;
+                case 3: TQ_CASE(4, 1); break;
+                case 4: TQ_CASE(1, 2); break;
+                case 5: TQ_CASE(2, 2); break;
+                case 6: TQ_CASE(3, 2); break;
+                default: TQ_CASE(4, 2); break;
+                }
+#undef TQ_CASE
+                for (size_t i = 0; i < R; i++)
+                    for (size_t q = 0; q < G; q++)
+                        _mm512_store_ps(buf[q][i0 + i], S == CISM_INT8
+                                        ? _mm512_mul_ps(acc[i][q], _mm512_set1_ps(W->scales[r + i0 + i]))
+                                        : acc[i][q]);
+            }
+            for (size_t q = 0; q < G; q++) {
+                __m512 rowsv[16];
+                for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
+                const size_t t0 = 16 * (g + q);
+                store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
+            }
+        }
+    }
+    cism_scratch_put(mem);
+}
+
+#define GEMM_Q_VNNI(NAME, S)                                                                     \
+    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
+                     float *Y, size_t ldy) {                                                     \
+        if (T >= TQ_MIN_TOKENS) gemm_tq8_tpl(S, W, r0, r1, A, T, Y, ldy);                        \
+        else gemm_q_tpl(S, W, r0, r1, A, T, Y, ldy);                                          \
+    }
+
+/* ---- ggml K-quants x q8 with VNNI, several tokens: tokens in lanes ----
+ *
+ * From TQ_MIN_TOKENS tokens on, as for the other integer storages: the
+ * token groups' q8 activations are transposed once per call (pack_q8_group,
+ * a + 128 as unsigned bytes), each row's codes unpacked once per pass to
+ * signed bytes in element order (q4_k: q; q6_k: code - 32), and every
+ * weight dword broadcast to vpdpbusd against 16 tokens' dwords, so a lane
+ * ends a block (q6_k: a 16-element group) holding one (row, token) integer
+ * sum plus 128 times the weights' own sum, which is taken off (it is
+ * computed once per row). The canonical lanes (kernels.h) become one
+ * vector per (row, sub-block j), 16 tokens wide: lane j's chain over the
+ * super-blocks, in order, for j = 0..7 one after the other, then the tree
+ * as vertical adds. q4_k's min term takes the activations' block sums,
+ * made once per call from the packed bytes (their sum less 128 * 32). */
+
+/* A row's super-blocks unpacked for the token lanes: codes at wb (element
+ * order, cols bytes); per super-block s, at meta + 48 s (int32s): 16
+ * corrections (q4_k: 128 x the sub-block code sums, then 8 unused; q6_k:
+ * 128 x the group sums of code - 32), 16 scales (q4_k: sc, then m; q6_k
+ * the int8 scales), d and (q4_k) -dmin as float bits, and 14 unused. */
+#define KQ_META 48
+ALWAYS_INLINE void kq_unpack_row(const int S, const uint8_t *row, size_t nsb, int8_t *wb, int32_t *meta) {
+    const __m512i zero = _mm512_setzero_si512();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * kq_block_bytes(S);
+        int32_t *mt = meta + KQ_META * sb;
+        __m512i q[4];
+        if (S == CISM_Q4K) {
+            /* sub-blocks 2k, 2k + 1: the low and high nibbles of qs[32k ...] */
+            const __m512i m4 = _mm512_set1_epi8(15);
+            for (int k = 0; k < 4; k++) {
+                const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + CISM_Q4_K_QS + 32 * k)));
+                q[k] = _mm512_inserti64x4(_mm512_and_si512(x, m4),
+                                          _mm512_castsi512_si256(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4)), 1);
+            }
+        } else {
+            for (int k = 0; k < 4; k++) q[k] = q6k_codes64(blk, k);
+        }
+        /* code sums per 8 bytes (vpsadbw), then per sub-block or group */
+        __attribute__((aligned(64))) int64_t sums[32];
+        for (int k = 0; k < 4; k++) _mm512_store_si512((void *)(sums + 8 * k), _mm512_sad_epu8(q[k], zero));
+        for (int k = 0; k < 4; k++) {
+            const __m512i v = S == CISM_Q4K ? q[k] : _mm512_sub_epi8(q[k], _mm512_set1_epi8(32));
+            _mm512_storeu_si512((void *)(wb + CISM_QK_K * sb + 64 * k), v);
+        }
+        if (S == CISM_Q4K) {
+            for (int j = 0; j < 8; j++)
+                mt[j] = 128 * (int32_t)(sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3]);
+            _mm512_storeu_si512((void *)(mt + 16), _mm512_cvtepu8_epi32(q4k_scale_bytes(blk + CISM_Q4_K_SCALES)));
+            int32_t dd;
+            memcpy(&dd, blk + CISM_Q4_K_D, 4);
+            /* d and -dmin (dmin * -as = -(dmin * as): the reference's product, negated) */
+            _mm_storel_pi((__m64 *)(mt + 32), _mm_xor_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dd)), _mm_setr_ps(0.0f, -0.0f, 0.0f, 0.0f)));
+        } else {
+            for (int g = 0; g < 16; g++) mt[g] = 128 * ((int32_t)(sums[2 * g] + sums[2 * g + 1]) - 32 * 16);
+            _mm512_storeu_si512((void *)(mt + 16),
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES))));
+            uint16_t h;
+            memcpy(&h, blk + CISM_Q6_K_D, 2);
+            const float d = _cvtsh_ss(h);
+            memcpy(mt + 32, &d, 4);
+        }
+    }
+}
+
+/* R rows (codes w[i], meta m[i]) x one group of 16 tokens (B: packed
+ * activations, Sg: block scales, As: q4_k's activation block sums):
+ * out[i] lane n = the dot of row i and token n. */
+ALWAYS_INLINE void kq_tq_tile(const int S, const int R, const int8_t *const *w, const int32_t *const *m,
+                              size_t nsb, const int32_t *B, const float *Sg, const int32_t *As, __m512 out[4]) {
+    __m512 lane[4][8];
+    for (int j = 0; j < 8; j++) {
+        __m512 acc[4];
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+        for (size_t sb = 0; sb < nsb; sb++) {
+            const size_t b = 8 * sb + j; /* the activation block: dwords 8b .. 8b + 7 */
+            __m512i bv[8];
+            for (int k = 0; k < 8; k++) bv[k] = _mm512_load_si512((const void *)(B + 16 * (8 * b + k)));
+            const __m512 as = _mm512_load_ps(Sg + 16 * b);
+            for (int i = 0; i < R; i++) {
+                const int32_t *mt = m[i] + KQ_META * sb;
+                const int32_t *wd = (const int32_t *)(w[i] + 32 * b);
+                float d;
+                memcpy(&d, mt + 32, 4);
+                if (S == CISM_Q4K) {
+                    __m512i s0 = _mm512_set1_epi32(-mt[j]);
+                    for (int k = 0; k < 8; k++) s0 = _mm512_dpbusd_epi32(s0, bv[k], _mm512_set1_epi32(wd[k]));
+                    float ndmin;
+                    memcpy(&ndmin, mt + 33, 4);
+                    const __m512 f = _mm512_cvtepi32_ps(_mm512_mullo_epi32(s0, _mm512_set1_epi32(mt[16 + j])));
+                    const __m512 g = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_load_si512((const void *)(As + 16 * b)),
+                                                                           _mm512_set1_epi32(mt[24 + j])));
+                    acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(d), as), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(g, _mm512_mul_ps(_mm512_set1_ps(ndmin), as), acc[i]);
+                } else {
+                    __m512i s0 = _mm512_set1_epi32(-mt[2 * j]), s1 = _mm512_set1_epi32(-mt[2 * j + 1]);
+                    for (int k = 0; k < 4; k++) {
+                        s0 = _mm512_dpbusd_epi32(s0, bv[k], _mm512_set1_epi32(wd[k]));
+                        s1 = _mm512_dpbusd_epi32(s1, bv[4 + k], _mm512_set1_epi32(wd[4 + k]));
+                    }
+                    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s0, _mm512_set1_epi32(mt[16 + 2 * j])),
+                                                          _mm512_mullo_epi32(s1, _mm512_set1_epi32(mt[17 + 2 * j])));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(d), as), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < R; i++) lane[i][j] = acc[i];
+    }
+    /* cism_reduce8, lane by lane */
+    for (int i = 0; i < R; i++) {
+        const __m512 *l = lane[i];
+        out[i] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                               _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+    }
+}
+
+ALWAYS_INLINE void gemm_kq8_tq_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                   size_t T, float *Y, size_t ldy) {
+    const size_t units = W->cols / 64, blocks = W->cols / 32, nsb = W->cols / CISM_QK_K;
+    const size_t groups = cism_div_up(T, 16);
+    const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
+    const size_t a_bytes = S == CISM_Q4K ? groups * blocks * 64 : 0;
+    const size_t w_bytes = 16 * W->cols, m_bytes = 16 * nsb * KQ_META * sizeof(int32_t);
+    if (r1 <= r0) return;
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + a_bytes + w_bytes + m_bytes);
+    if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
+        gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sc = (float *)(mem + b_bytes);
+    int32_t *As = (int32_t *)(mem + b_bytes + s_bytes);
+    int8_t *wb = (int8_t *)(mem + b_bytes + s_bytes + a_bytes);
+    int32_t *meta = (int32_t *)(mem + b_bytes + s_bytes + a_bytes + w_bytes);
+    for (size_t g = 0; g < groups; g++) {
+        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+        int32_t *Bg = B + g * units * 256;
+        pack_q8_group(A, 16 * g, tn, units, Bg, Sc + g * units * 32, 1);
+        if (S == CISM_Q4K) /* block sums: sum(a + 128) - 128 * 32 */
+            for (size_t b = 0; b < blocks; b++) {
+                __m512i v = _mm512_set1_epi32(-128 * 32);
+                for (int k = 0; k < 8; k++)
+                    v = _mm512_dpbusd_epi32(v, _mm512_load_si512((const void *)(Bg + 16 * (8 * b + k))), _mm512_set1_epi8(1));
+                _mm512_store_si512((void *)(As + g * blocks * 16 + 16 * b), v);
+            }
+    }
+    for (size_t g0 = 0; g0 < groups; g0 += TQ_PASS)
+    for (size_t r = r0; r < r1; r += 16) {
+        const size_t g1 = groups - g0 < TQ_PASS ? groups : g0 + TQ_PASS;
+        const size_t rn = r1 - r < 16 ? r1 - r : 16;
+        const int8_t *w[16];
+        const int32_t *mt[16];
+        for (size_t i = 0; i < rn; i++) {
+            kq_unpack_row(S, (const uint8_t *)W->codes + (r + i) * W->row_bytes, nsb, wb + i * W->cols,
+                          meta + i * nsb * KQ_META);
+            w[i] = wb + i * W->cols;
+            mt[i] = meta + i * nsb * KQ_META;
+        }
+        for (size_t g = g0; g < g1; g++) {
+            const int32_t *Bg = B + g * units * 256;
+            const float *Sg = Sc + g * units * 32;
+            const int32_t *Ag = As + (S == CISM_Q4K ? g * blocks * 16 : 0);
+            __m512 rowsv[16];
+            for (size_t i0 = 0; i0 < 16; i0 += 4) {
+                if (i0 >= rn) {
+                    for (size_t i = 0; i < 4; i++) rowsv[i0 + i] = _mm512_setzero_ps();
+                    continue;
+                }
+                switch (rn - i0 < 4 ? rn - i0 : 4) {
+                case 1: kq_tq_tile(S, 1, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
+                case 2: kq_tq_tile(S, 2, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
+                case 3: kq_tq_tile(S, 3, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
+                default: kq_tq_tile(S, 4, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
+                }
+                for (size_t i = rn - i0; i < 4; i++) rowsv[i0 + i] = _mm512_setzero_ps();
+            }
+            const size_t t0 = 16 * g;
+            store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
+        }
+    }
+    cism_scratch_put(mem);
+}
+
+#define GEMM_KQ8_VNNI(NAME, S)                                                                   \
+    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
+                     float *Y, size_t ldy) {                                                     \
+        if (T >= TQ_MIN_TOKENS) gemm_kq8_tq_tpl(S, W, r0, r1, A, T, Y, ldy);                     \
+        else gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);                                        \
+    }
+
+#endif
