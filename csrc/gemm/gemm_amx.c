@@ -26,11 +26,11 @@
  * multiply) and is compiled with AMX and AVX512-BF16 flags; the table
  * filler installs it only when the CPU has AMX-BF16 and the kernel granted
  * this process the tile state. */
-#include "dequant_avx512.h"
+#include "bf16_avx512.h"
 #include "scratch.h"
 #include "simd_amx.h"
 
-#define AMX_ROWS 32 /* weight rows per B block (two tiles) */
+#define AMX_ROWS BF16_ROWS /* weight rows per B block (two tiles) */
 
 /* Every tile 16 rows of 64 bytes. */
 static void amx_configure(void) {
@@ -45,54 +45,8 @@ static void amx_configure(void) {
     _tile_loadconfig((const void *)&cfg);
 }
 
-/* 32 floats (masked: elements past n are zero) as 32 bf16, nearest even. */
-ALWAYS_INLINE __m512i bf16_32(const float *x, size_t n) {
-    const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
-    const __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
-    const __m512 lo = _mm512_maskz_loadu_ps(m0, x), hi = _mm512_maskz_loadu_ps(m1, x + 16);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 static void pack_bf16_amx(const float *x, size_t n, uint16_t *out, size_t stride) {
-    const size_t len = cism_bf16_len(n);
-    for (size_t k = 0; k < len; k += 32) {
-        const size_t left = k < n ? n - k : 0;
-        _mm512_storeu_si512((void *)(out + k / 32 * stride), bf16_32(x + k, left));
-    }
-}
-
-/* Rows r..r+R-1 (R <= 32; missing rows are zero) as B blocks: block
- * (j, kb) at B + (j * kblocks + kb) * 512 holds, in its row p, the pairs
- * (w[16j + i][32kb + 2p], w[16j + i][32kb + 2p + 1]) for i = 0..15.
- * fbuf holds one dequantized row (cols floats). */
-ALWAYS_INLINE void pack_weights(const int S, const cism_mat *W, size_t r, size_t R, float *fbuf,
-                                uint16_t *B) {
-    const size_t n = W->cols, kblocks = cism_bf16_len(n) / 32;
-    for (size_t j = 0; j < AMX_ROWS / 16; j++) {
-        for (size_t kb = 0; kb < kblocks; kb++) {
-            __m512i rows[16], cols[16];
-            const size_t k = 32 * kb, left = n - k;
-            for (size_t i = 0; i < 16; i++) {
-                const size_t row = 16 * j + i;
-                if (row >= R) {
-                    rows[i] = _mm512_setzero_si512();
-                    continue;
-                }
-                const float *src;
-                if (S == CISM_FP32) {
-                    src = (const float *)((const uint8_t *)W->codes + (r + row) * W->row_bytes);
-                } else {
-                    /* the row's floats were dequantized by the caller into
-                     * fbuf (row `row` at fbuf + row * n) */
-                    src = fbuf + row * n;
-                }
-                rows[i] = bf16_32(src + k, left);
-            }
-            transpose16(rows, cols);
-            uint16_t *blk = B + (j * kblocks + kb) * 512;
-            for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(blk + 32 * p), cols[p]);
-        }
-    }
+    bf16_pack_row(x, n, out, stride);
 }
 
 /* Store a C tile (16 tokens x 16 rows) into Y: tokens t..t+tn-1, rows
@@ -129,7 +83,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
     for (size_t r = r0; r < r1; r += AMX_ROWS) {
         const size_t R = r1 - r < AMX_ROWS ? r1 - r : AMX_ROWS;
         if (S != CISM_FP32) dequant_rows(S, (int)R, W, r, fbuf);
-        pack_weights(S, W, r, R, fbuf, B);
+        bf16_pack_pairs(S, W, r, R, fbuf, B);
         const uint16_t *B0 = B, *B1 = B + kblocks * 512;
         for (size_t t = 0; t < T; t += 32) {
             const uint16_t *A0 = A->xb + t / 16 * A->ldb, *A1 = A0 + A->ldb;

@@ -24,54 +24,14 @@
 /* dequant_rows (the floats the exact tiles multiply, as gemm_amx.c rounds
  * them), transpose16 and fill_e4m3_half come from the shared AVX-512
  * headers, as for the tile kernel. */
-#include "dequant_avx512.h"
+#include "bf16_avx512.h"
 #include "scratch.h"
 
-#define BF_ROWS 32   /* weight rows per block: two vectors of 16 rows */
+#define BF_ROWS BF16_ROWS /* weight rows per block: two vectors of 16 rows */
 #define BF_TOKENS 12 /* tokens per pass */
 
-/* 32 floats (masked: elements past n are zero) as 32 bf16, nearest even. */
-ALWAYS_INLINE __m512i bf16x32(const float *x, size_t n) {
-    const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
-    const __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
-    const __m512 lo = _mm512_maskz_loadu_ps(m0, x), hi = _mm512_maskz_loadu_ps(m1, x + 16);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 static void pack_bf16_avx512(const float *x, size_t n, uint16_t *out, size_t stride) {
-    const size_t len = cism_bf16_len(n);
-    for (size_t k = 0; k < len; k += 32) {
-        const size_t left = k < n ? n - k : 0;
-        _mm512_storeu_si512((void *)(out + k / 32 * stride), bf16x32(x + k, left));
-    }
-}
-
-/* Rows r..r+R-1 (R <= 32; missing rows are zero) as pair vectors: the
- * vector of k pair 16kb + p for rows 16j..16j+15 is at
- * B + (j * kblocks + kb) * 512 + 32 p. src(i) is row i's floats. */
-ALWAYS_INLINE void pack_pairs(const int S, const cism_mat *W, size_t r, size_t R, const float *fbuf,
-                              uint16_t *B) {
-    const size_t n = W->cols, kblocks = cism_bf16_len(n) / 32;
-    for (size_t j = 0; j < BF_ROWS / 16; j++) {
-        for (size_t kb = 0; kb < kblocks; kb++) {
-            __m512i rows[16], cols[16];
-            const size_t k = 32 * kb;
-            for (size_t i = 0; i < 16; i++) {
-                const size_t row = 16 * j + i;
-                if (row >= R) {
-                    rows[i] = _mm512_setzero_si512();
-                    continue;
-                }
-                const float *src = S == CISM_FP32
-                    ? (const float *)((const uint8_t *)W->codes + (r + row) * W->row_bytes)
-                    : fbuf + row * n; /* dequantized by the caller */
-                rows[i] = bf16x32(src + k, n - k);
-            }
-            transpose16(rows, cols);
-            uint16_t *blk = B + (j * kblocks + kb) * 512;
-            for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(blk + 32 * p), cols[p]);
-        }
-    }
+    bf16_pack_row(x, n, out, stride);
 }
 
 /* NT tokens (their A-tile rows at xt[i]) against one 32-row block. */
@@ -125,7 +85,7 @@ ALWAYS_INLINE void gemm_bf16_tpl(const int S, const cism_mat *W, size_t r0, size
     for (size_t r = r0; r < r1; r += BF_ROWS) {
         const size_t R = r1 - r < BF_ROWS ? r1 - r : BF_ROWS;
         if (S != CISM_FP32) dequant_rows(S, (int)R, W, r, fbuf);
-        pack_pairs(S, W, r, R, fbuf, B);
+        bf16_pack_pairs(S, W, r, R, fbuf, B);
         const uint16_t *B0 = B, *B1 = B + kblocks * 512;
         for (size_t t = 0; t < T; t += BF_TOKENS) {
             const size_t nt = T - t < BF_TOKENS ? T - t : BF_TOKENS;
