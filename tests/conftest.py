@@ -94,6 +94,15 @@ def hypothesis_or_skip():
     return pytest.importorskip("hypothesis")
 
 
+def hypothesis_parts(max_examples):
+    """(given, strategies, settings) for a property test that takes pytest
+    fixtures: max_examples (pass hypothesis_examples(n) to scale it in CI),
+    no deadline; skips the caller where hypothesis is not installed."""
+    h = hypothesis_or_skip()
+    return h.given, h.strategies, h.settings(max_examples=max_examples, deadline=None,
+                                             suppress_health_check=[h.HealthCheck.function_scoped_fixture])
+
+
 def runnable_isas():
     from cism import _kernels
     return list(_kernels.available_isas())

@@ -21,7 +21,7 @@ import pytest
 import malformed as M
 from cism.loaders import (Checkpoint, CheckpointError, load_checkpoint, load_gguf, load_hf_dir,
                           load_llama2c, read_config, read_gguf_metadata)
-from conftest import hypothesis_examples
+from conftest import hypothesis_examples, hypothesis_parts
 
 
 # gguf-py and hypothesis are imported by the tests that use them, so that
@@ -29,13 +29,6 @@ from conftest import hypothesis_examples
 def gguf_py():
     """gguf-py: the GGUF writer, reader and dequantize oracle."""
     return pytest.importorskip("gguf")
-
-
-def hypothesis(max_examples=40):
-    """hypothesis' given and strategies, and the settings these property tests run under."""
-    h = pytest.importorskip("hypothesis")
-    return h.given, h.strategies, h.settings(max_examples=hypothesis_examples(max_examples), deadline=None,
-                                             suppress_health_check=[h.HealthCheck.function_scoped_fixture])
 
 
 def assert_float32_c(weights):
@@ -103,7 +96,7 @@ def test_safetensors_roundtrip_every_dtype(tmp_path):
 
 def test_safetensors_roundtrip_property():
     """Any bit pattern of any shape comes back exactly (bf16 widened by a shift)."""
-    given, st, settings = hypothesis()
+    given, st, settings = hypothesis_parts(hypothesis_examples(40))
 
     @settings
     @given(shape=st.lists(st.integers(0, 6), min_size=0, max_size=3),
@@ -372,7 +365,7 @@ def test_dequantize_matches_gguf_py():
     """Bitwise equal to gguf-py's dequantize, for row counts and widths that are
     not multiples of anything convenient."""
     Q = gguf_py().GGMLQuantizationType
-    given, st, settings = hypothesis()
+    given, st, settings = hypothesis_parts(hypothesis_examples(40))
 
     @settings
     @given(rows=st.integers(1, 9), blocks=st.integers(1, 5),
@@ -999,7 +992,7 @@ def test_valid_corpus_bases_load(tmp_path):
 def test_mutated_files_load_or_raise_checkpoint_error():
     """Random byte edits and truncations: a Checkpoint or a CheckpointError,
     never any other exception."""
-    given, st, settings = hypothesis(max_examples=300)
+    given, st, settings = hypothesis_parts(hypothesis_examples(300))
 
     @settings
     @given(kind=st.sampled_from(sorted(VALID)), data=st.data())

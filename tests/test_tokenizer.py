@@ -16,17 +16,12 @@ import pytest
 
 from cism.tokenizers import StreamDecoder, Tokenizer
 
+from conftest import hypothesis_parts
+
 
 # hypothesis, and regex (which only the pure Python byte-level BPE needs), are
 # imported by the tests and fixtures that use them: where one is missing, only
 # those skip.
-def hypothesis():
-    """hypothesis' given and strategies, and the settings these property tests run under."""
-    h = pytest.importorskip("hypothesis")
-    return h.given, h.strategies, h.settings(max_examples=60, deadline=None,
-                                             suppress_health_check=[h.HealthCheck.function_scoped_fixture])
-
-
 def python_bpe():
     """Skip the caller unless regex, the pure Python BPE's pre-tokenizer, is installed."""
     pytest.importorskip("regex")
@@ -305,7 +300,7 @@ def _text_for(name, st):
 def test_random_text_round_trip(request, name):
     tok = request.getfixturevalue(name)
     spm_like = name in ("llama_spm", "stories")
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
 
     @SETTINGS
     @given(_text_for(name, st))
@@ -339,7 +334,7 @@ BPE_PIECES = (list("aZ09 ,.;:'\"!?-_()[]{}<>/\\|\n\t\r") +
 
 
 def test_python_and_hf_bpe_agree(gpt2_gguf_py, gpt2_gguf_hf):
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
 
     @SETTINGS
     @given(st.lists(st.sampled_from(BPE_PIECES), max_size=40).map("".join))
@@ -366,7 +361,7 @@ def test_spm_word_split_is_exact(unsplit_spm, llama_spm, stories, corpus_slices)
     for text in corpus_slices[::3]:
         assert llama_spm.encode(text) == spm.encode(text)
         assert stories.encode(text) == l2c.encode(text)
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
 
     @SETTINGS
     @given(st.lists(st.sampled_from(["a", "b", "ab", " ", "  ", "\n", "the", "é", "🦙", "▁", "3"]),
@@ -390,7 +385,7 @@ def _stream(tok, ids, skip_special=True):
 @pytest.mark.parametrize("name", ALL_TOKENIZERS)
 def test_stream_equals_decode_random_ids(request, name):
     tok = request.getfixturevalue(name)
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
     ids_st = st.lists(st.one_of(st.integers(0, tok.vocab_size - 1),
                                 st.integers(0, min(tok.vocab_size, 600) - 1)), max_size=30)
 
@@ -459,7 +454,7 @@ def test_decode_matches_hf(qwen3, tok_dir):
     """Byte-level decode reproduces HF's decoder, incl. invalid UTF-8 and specials."""
     tokenizers = pytest.importorskip("tokenizers")
     hf = tokenizers.Tokenizer.from_file(str(tok_dir / "qwen3" / "tokenizer.json"))
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
 
     @SETTINGS
     @given(st.lists(st.one_of(st.integers(0, qwen3.vocab_size - 1),
@@ -504,7 +499,7 @@ def test_spm_style_tokenizer_json_decode(llama_spm, tmp_path, decoder):
     path.write_text(json.dumps(_spm_tokenizer_json(llama_spm, decoder)), encoding="utf-8")
     tok = Tokenizer.from_file(path)
     hf = tokenizers.Tokenizer.from_file(str(path))
-    given, st, SETTINGS = hypothesis()
+    given, st, SETTINGS = hypothesis_parts(60)
 
     @SETTINGS
     @given(st.lists(st.one_of(st.integers(0, 31999), st.integers(0, 300)), max_size=20),
