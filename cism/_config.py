@@ -203,6 +203,8 @@ def _yarn_divisors(factor, orig, fast, slow, truncate, theta, head_dim):
     (extrapolation) below the correction range [low, high], is divided by
     factor (interpolation) above it, and ramps linearly between. The ramp is
     computed in float32 as transformers does."""
+    if theta == 1.0:    # every frequency is 1: the ramp's dimensions divide by ln(theta) = 0
+        raise ValueError("rope_scaling yarn needs rope_theta other than 1")
     def correction_dim(rotations):
         return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
     low, high = correction_dim(fast), correction_dim(slow)

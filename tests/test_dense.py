@@ -340,6 +340,7 @@ def test_config_validation_messages():
         (dict(rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 0.0, True)), "rope_scaling yarn must be finite"),
         (dict(rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 1.1, "yes")), "yarn truncate must be true or false"),
         (dict(rope_scaling=("yarn", 4.0, 16)), r"rope_scaling yarn has \('yarn', 4.0, 16\)"),
+        (dict(rope_theta=1.0, rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 1.1, True)), "rope_theta other than 1"),
         (dict(hidden=0), "hidden_size is outside supported bounds"),
         (dict(hidden=65537), "hidden_size is outside supported bounds"),
         (dict(intermediate=262145), "intermediate_size is outside supported bounds"),
