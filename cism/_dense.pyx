@@ -35,7 +35,7 @@ from cism.matrix cimport ACT_BF16, Scratch, bf16_ready, gemm_multi, gemm1, scrat
 from cism._status cimport OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, cism_flag_check
 from cism._checks cimport as_tokens, check_count
 
-from cism._config import MAX_KV_BYTES, is_int, rope_divisors
+from cism._config import MAX_KV_BYTES, is_int, rope_attention_factor, rope_divisors
 from cism._weights import check_kv_precision, check_storages
 from cism.paging import BlockPool
 from cism._batch import BatchSession
@@ -164,7 +164,8 @@ cdef class DenseModel(WeightStore):
                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
                 arrays.pop(p + suffix, None)
         self.build_rope(&self.c.rope, config.rope_theta, c.head_dim, c.context,
-                        rope_divisors(config.rope_scaling, config.rope_theta, c.head_dim))
+                        rope_divisors(config.rope_scaling, config.rope_theta, c.head_dim),
+                        rope_attention_factor(config.rope_scaling))
         self.set_act_precision(act_precision)
         self.set_prefill_precision(prefill_precision)
 

@@ -89,6 +89,7 @@ cdef struct Rope:
     const float *sin
     size_t positions           # min(context, ROPE_TABLE_MAX)
     size_t head_dim
+    float scale                # multiplies cos and sin: YaRN's attention factor, else 1
 
 
 cdef inline void rotate(float *v, size_t heads, size_t dim, const float *c, const float *s) noexcept nogil:
@@ -117,8 +118,8 @@ cdef inline void rope_rotate(const Rope *r, size_t pos, float *q, size_t heads, 
     else:
         for j in range(half):
             angle = <float>pos * r.inv_freq[j]
-            tmp[j] = cosf(angle)
-            tmp[half + j] = sinf(angle)
+            tmp[j] = cosf(angle) * r.scale
+            tmp[half + j] = sinf(angle) * r.scale
         c = tmp
         s = tmp + half
     rotate(q, heads, hd, c, s)

@@ -46,6 +46,6 @@ cdef class WeightStore:
     cdef cism_mat* mat(self, name, dict arrays, storage) except NULL
     cdef const float* vec(self, name, dict arrays) except NULL
     # rotary tables (ROPE_TABLE_MAX positions), kept by the store
-    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=*)
+    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=*, scale=*)
     # (families define session_class() and stepper_class(): the solo session
     # and ragged-step classes the methods below use; see _weights.pyx)

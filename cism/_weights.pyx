@@ -150,12 +150,14 @@ def all_finite(a):
     return bad == 0
 
 
-def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768, divisors=None):
+def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=32768, divisors=None,
+                scale=1.0):
     """Rotary tables: inv_freq[j] = 1 / theta^(2j/d) in float (divided by
-    divisors[j] when the model scales its rope: linear, llama3, a GGUF's
-    rope_freqs), and cos/sin of position * inv_freq[j] for the first
-    min(context, max_positions) positions (later positions use the same
-    formula on the fly)."""
+    divisors[j] when the model scales its rope: linear, llama3, yarn, a
+    GGUF's rope_freqs), and scale * cos/sin of position * inv_freq[j] for
+    the first min(context, max_positions) positions (later positions use the
+    same formula on the fly). scale is YaRN's attention factor, else 1 (an
+    exact multiply: plain tables keep their bits)."""
     cdef size_t half = head_dim // 2, p, j
     cdef float th = <float>theta
     inv = np.empty(half, np.float32)
@@ -176,13 +178,15 @@ def rope_tables(theta, size_t head_dim, size_t context, size_t max_positions=327
     sin_t = np.empty((positions, half), np.float32)
     cdef float[:, ::1] ct = cos_t
     cdef float[:, ::1] st = sin_t
-    cdef float angle
+    cdef float angle, sc = <float>scale
+    if not (isfinite(sc) and sc > 0):
+        raise ValueError(f"rope attention factor must be a positive number, got {scale!r}")
     with nogil:
         for p in range(positions):
             for j in range(half):
                 angle = <float>p * iv[j]
-                ct[p, j] = cosf(angle)
-                st[p, j] = sinf(angle)
+                ct[p, j] = cosf(angle) * sc
+                st[p, j] = sinf(angle) * sc
     return inv, cos_t, sin_t
 
 
@@ -242,8 +246,9 @@ cdef class WeightStore:
         cdef cnp.ndarray a = self.add_vector(name, arrays[name])
         return <const float*>cnp.PyArray_DATA(a)
 
-    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=None):
-        inv, cos_t, sin_t = rope_tables(theta, head_dim, context, ROPE_TABLE_MAX, divisors)
+    cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=None, scale=1.0):
+        inv, cos_t, sin_t = rope_tables(theta, head_dim, context, ROPE_TABLE_MAX, divisors, scale)
+        r.scale = <float>scale
         self.rope_keep = [inv, cos_t, sin_t]
         r.inv_freq = <float*>cnp.PyArray_DATA(inv)
         r.cos = <float*>cnp.PyArray_DATA(cos_t)

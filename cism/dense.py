@@ -1,6 +1,6 @@
-"""Dense decoder-only transformers: Llama (with Llama 3's rope scaling),
-Mistral (with its sliding window), Qwen2 (q/k/v biases) and Qwen3
-(``cism.dense``).
+"""Dense decoder-only transformers: Llama, Mistral (with its sliding
+window), Qwen2 (q/k/v biases) and Qwen3, with linear, Llama 3's or YaRN's
+rope scaling (``cism.dense``).
 
     from cism.dense import Model
     model = Model.from_pretrained("path/to/hf-dir-or.gguf", precision="int8")
@@ -39,7 +39,7 @@ class Config:
     # the compile keys of the models that do not use it are unchanged.
     qkv_bias: bool = False           # Qwen2: biases on the q, k and v projections
     sliding_window: int = 0          # Mistral: a query sees its last `sliding_window` positions (0: all)
-    rope_scaling: tuple = ()         # _config.hf_rope's form: (), linear, llama3 or per-frequency factors
+    rope_scaling: tuple = ()         # _config.hf_rope's form: (), linear, llama3, yarn or per-frequency factors
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

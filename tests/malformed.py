@@ -313,9 +313,17 @@ def gguf_cases():
                                             infos, data)),
         ("partial-rotary", gguf_bytes(gguf_metadata(**{"llama.rope.dimension_count": (GGUF_U32, 8)}),
                                       infos, data)),
-        ("rope-scaling-yarn", gguf_bytes(gguf_metadata(**{"llama.rope.scaling.type": (GGUF_STR, "yarn"),
-                                                          "llama.rope.scaling.factor": (GGUF_F32, 4.0)}),
-                                         infos, data)),
+        ("rope-scaling-longrope", gguf_bytes(gguf_metadata(**{"llama.rope.scaling.type": (GGUF_STR, "longrope"),
+                                                              "llama.rope.scaling.factor": (GGUF_F32, 4.0)}),
+                                             infos, data)),
+        ("rope-scaling-yarn-ext-factor", gguf_bytes(gguf_metadata(**{
+            "llama.rope.scaling.type": (GGUF_STR, "yarn"), "llama.rope.scaling.factor": (GGUF_F32, 4.0),
+            "llama.rope.scaling.yarn_ext_factor": (GGUF_F32, 0.5)}), infos, data)),
+        ("rope-scaling-yarn-beta-negative", gguf_bytes(gguf_metadata(**{
+            "llama.rope.scaling.type": (GGUF_STR, "yarn"), "llama.rope.scaling.factor": (GGUF_F32, 4.0),
+            "llama.rope.scaling.yarn_beta_fast": (GGUF_F32, -32.0)}), infos, data)),
+        ("rope-scaling-attn-factor", gguf_bytes(gguf_metadata(**{"llama.rope.scaling.attn_factor": (GGUF_F32, 2.0)}),
+                                                infos, data)),
         ("rope-scaling-linear-negative", gguf_bytes(gguf_metadata(**{"llama.rope.scaling.type": (GGUF_STR, "linear"),
                                                                      "llama.rope.scaling.factor": (GGUF_F32, -2.0)}),
                                                     infos, data)),
@@ -677,8 +685,12 @@ GGUF_MESSAGES = {
     "value-length-differs": "attention.value_length 8 differs from key_length 16; cism needs one head_dim",
     "partial-rotary": "rope.dimension_count 8 rotates only part of the 16-wide heads; partial rotary is not "
                       "supported",
-    "rope-scaling-yarn": "uses rope scaling type 'yarn' (factor 4.0); cism implements plain, linear and Llama 3 "
-                         "(rope_freqs) RoPE",
+    "rope-scaling-longrope": "uses rope scaling type 'longrope' (factor 4.0); cism implements plain, linear, "
+                             "yarn and Llama 3 (rope_freqs) RoPE",
+    "rope-scaling-yarn-ext-factor": "uses yarn_ext_factor 0.5 and yarn_log_multiplier 0.0; cism implements YaRN "
+                                    "as transformers does (ext_factor 1, no log multiplier)",
+    "rope-scaling-yarn-beta-negative": "metadata rope.scaling.yarn_beta_fast is -32.0, expected a positive number",
+    "rope-scaling-attn-factor": "metadata rope.scaling.attn_factor is 2.0; cism implements only 1",
     "rope-scaling-linear-negative": "metadata rope.scaling.factor is -2.0, expected a positive number",
     "rope-freqs-negative": "tensor 'rope_freqs.weight': holds factors that are not finite and positive",
     "rope-freqs-wrong-length": "tensor 'rope_freqs.weight': is F32 of shape (6,); expected F32 of (8,)",

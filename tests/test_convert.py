@@ -14,7 +14,7 @@ import cism
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_dense import hf_model  # noqa: E402
+from test_dense import YARN_CASES, hf_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -23,6 +23,12 @@ CASES = [
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     ("llama", dict(heads=4, kv=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # YaRN: the converter writes factor, original context, betas and
+    # attention_factor (not mscale or truncate: the third case of test_dense)
+    *[(kind, dict(heads=h, kv=kv, head_dim=hd, hidden=128, theta=theta, rope_scaling=scaling))
+      for kind, h, kv, hd, theta, scaling in YARN_CASES[:2]],
+    ("qwen3", dict(heads=2, kv=2, head_dim=64, theta=1e6,
+                   rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32})),
     ("qwen2", dict(heads=4, kv=2, vocab=305)),
     ("qwen2", dict(heads=4, kv=1, tied=True)),
     # llama.cpp writes Mistral as a llama file without its window (and runs
@@ -52,10 +58,10 @@ def test_converted_gguf_matches_transformers(converter, tmp_path, kind, kw):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = cism.load(str(out), threads=2)
-    assert model.precision == "auto" and model.config.model_type == ("qwen2" if kind == "qwen2" else "llama")
+    assert model.precision == "auto" and model.config.model_type == ("llama" if kind == "mistral" else kind)
     if "rope_scaling" in kw:
-        want_kind = "factors" if kw["rope_scaling"]["rope_type"] == "llama3" else "linear"
-        assert model.config.rope_scaling[0] == want_kind
+        kind = kw["rope_scaling"].get("rope_type", kw["rope_scaling"].get("type"))
+        assert model.config.rope_scaling[0] == {"llama3": "factors"}.get(kind, kind)
     prompt = [3, 17, 42, 99, 5, 7, 250, 1, 0, 280, 12, 12, 12]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].numpy()

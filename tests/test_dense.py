@@ -36,10 +36,11 @@ def hf_model(kind, seed, **kw):
                                          sliding_window=kw.get("window"), **common)
         model = transformers.MistralForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(rms_norm_eps=1e-6, **common)
+        cfg = transformers.Qwen2Config(rms_norm_eps=1e-6, rope_scaling=kw.get("rope_scaling"), **common)
         model = transformers.Qwen2ForCausalLM(cfg)
     else:
-        cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, head_dim=kw.get("head_dim", 64), **common)
+        cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, head_dim=kw.get("head_dim", 64),
+                                       rope_scaling=kw.get("rope_scaling"), **common)
         model = transformers.Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # lively norms so tokens are not one repeated id
         for name, p in model.named_parameters():
@@ -50,6 +51,18 @@ def hf_model(kind, seed, **kw):
     cfg_dict["model_type"] = kind
     return cfg_dict, model
 
+
+# YaRN with an original context (16, 32) shorter than the prompt and its
+# generation (45 positions), so the ramp puts frequencies in all three bands
+# (kept, blended, divided): Qwen2.5's form (the old "type" key, transformers'
+# defaults), every explicit key, and DeepSeek's mscale pair without truncation
+YARN_CASES = [
+    ("qwen2", 4, 2, 32, 10000.0, {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}),
+    ("llama", 2, 1, 128, 1e6, {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16,
+                               "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}),
+    ("qwen3", 2, 2, 64, 1e6, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                              "mscale": 2.0, "mscale_all_dim": 1.0, "truncate": False}),
+]
 
 PARITY = [
     ("llama", dict(heads=4, kv=4, tied=True)),                       # MHA, tied
@@ -64,6 +77,8 @@ PARITY = [
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     ("llama", dict(heads=4, kv=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+] + [(kind, dict(heads=h, kv=kv, head_dim=hd, hidden=128, theta=theta, rope_scaling=scaling))
+     for kind, h, kv, hd, theta, scaling in YARN_CASES] + [
     ("qwen2", dict(heads=4, kv=2, vocab=305)),                       # q/k/v biases
     ("qwen2", dict(heads=4, kv=1, tied=True)),
     # a sliding window shorter than the prompt (13) and the generation (45)
@@ -169,11 +184,17 @@ def test_sliding_window_decode_equals_blocked_prefill(window):
     ("mistral", dict(sliding_window=5)), ("qwen2", dict(qkv_bias=True)),
     ("llama", dict(head_dim=64, heads=2, kv_heads=1, rope_theta=5e5,
                    rope_scaling=("llama3", 8.0, 1.0, 4.0, 32))),
-    ("llama", dict(rope_scaling=("linear", 2.5)))])
+    ("llama", dict(rope_scaling=("linear", 2.5))),
+    # yarn: (factor, original context, beta_fast, beta_slow, attention factor, truncate)
+    ("qwen2", dict(qkv_bias=True, head_dim=64, heads=2, kv_heads=1, rope_theta=1e6,
+                   rope_scaling=("yarn", 4.0, 24, 32.0, 1.0, 1.1386294361, True))),
+    ("llama", dict(head_dim=64, heads=2, kv_heads=1, rope_scaling=("yarn", 8.0, 16, 8.0, 0.5, 1.3, False)))])
 def test_architectures_follow_the_reference(kind, kw):
     """Each architecture's difference against the NumPy forward of
     tests/reference/dense.py (float64, written from the equations): the
-    window's mask, the biases, the scaled rotary frequencies."""
+    window's mask, the biases, the scaled rotary frequencies (and YaRN's
+    attention factor on cos and sin, over a prompt of 40 past its original
+    context)."""
     from reference.dense import forward as ref_forward
     config = small_config(kind, **kw)
     w = dense_weights(config, 3)
@@ -316,6 +337,10 @@ def test_config_validation_messages():
         (dict(qkv_bias=1), "qkv_bias must be true or false"),
         (dict(rope_scaling=("factors", 1.0, 2.0)), "2 factors; head_dim 16 needs 8"),
         (dict(rope_scaling=("factors",) + (0.0,) * 8), "rope_freq_factors must be finite"),
+        (dict(rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 0.0, True)), "rope_scaling yarn must be finite"),
+        (dict(rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 1.1, "yes")), "yarn truncate must be true or false"),
+        (dict(rope_scaling=("yarn", 4.0, 16)), r"rope_scaling yarn has \('yarn', 4.0, 16\)"),
+        (dict(rope_theta=1.0, rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 1.1, True)), "rope_theta other than 1"),
         (dict(hidden=0), "hidden_size is outside supported bounds"),
         (dict(hidden=65537), "hidden_size is outside supported bounds"),
         (dict(intermediate=262145), "intermediate_size is outside supported bounds"),
@@ -353,8 +378,28 @@ def test_from_hf_mapping_and_refusals():
     c = Config.from_hf({**d, "model_type": "mistral", "sliding_window": 4096})
     assert c.sliding_window == 4096 and Config.from_hf({**d, "sliding_window": 7}).sliding_window == 0
     assert Config.from_hf({**d, "model_type": "qwen2"}).qkv_bias
-    for extra, message in [({"rope_scaling": {"type": "yarn"}}, "'yarn' is not implemented"),
+    # yarn with transformers' defaults: original context = max_position_embeddings,
+    # factor = their ratio, betas 32 and 1, attention factor 0.1 ln(factor) + 1
+    c = Config.from_hf({**d, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}})
+    assert c.rope_scaling == ("yarn", 4.0, 16, 32.0, 1.0, np.float32(0.1 * np.log(4.0) + 1), True)
+    c = Config.from_hf({**d, "rope_parameters": {"rope_type": "yarn", "factor": None,
+                                                 "original_max_position_embeddings": 16}})
+    assert c.rope_scaling[1:3] == (4.0, 16)
+    c = Config.from_hf({**d, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    assert c.rope_scaling[2] == 64
+    c = Config.from_hf({**d, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 3.0,
+                                              "mscale_all_dim": 1.0, "beta_fast": 0}})
+    assert c.rope_scaling[3] == 32.0 and c.rope_scaling[5] == np.float32((0.3 * np.log(2) + 1) / (0.1 * np.log(2) + 1))
+    assert Config.from_hf(c.to_hf()) == c
+    assert Config.from_hf({**d, "rope_scaling": {"rope_type": "yarn", "factor": 1.0}}).rope_scaling == ()
+    for extra, message in [({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope' is not implemented"),
                            ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "not implemented"),
+                           ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                              "original_max_position_embeddings": 0}}, "positive integer"),
+                           ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "attention_factor": -1.0}},
+                            "attention_factor must be finite"),
+                           ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}},
+                            "truncate must be true or false"),
                            ({"rope_scaling": {"rope_type": "linear"}}, "has no 'factor'"),
                            ({"rope_scaling": {"rope_type": "linear", "factor": -2}}, "factor must be finite"),
                            ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 4.0}},

@@ -123,7 +123,9 @@ def test_mixed_requests_equal_solo_sessions(family):
 
 
 @pytest.mark.parametrize("kind,kw", [("mistral", dict(sliding_window=11)), ("qwen2", dict(qkv_bias=True)),
-                                     ("llama", dict(rope_scaling=("llama3", 8.0, 1.0, 4.0, 16)))])
+                                     ("llama", dict(rope_scaling=("llama3", 8.0, 1.0, 4.0, 16))),
+                                     ("qwen2", dict(qkv_bias=True,
+                                                    rope_scaling=("yarn", 4.0, 16, 32.0, 1.0, 1.14, True)))])
 def test_architectures_in_the_engine_equal_solo(kind, kw):
     """Windows over the paged pool (and prefix-cache hits, chunks and
     batches that cut through them), biases, scaled rope: solo's bits."""

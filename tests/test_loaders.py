@@ -537,6 +537,26 @@ def test_gguf_qwen2_biases_rope_freqs_and_linear_scaling(tmp_path):
     weights = load_gguf(path).weights
     assert np.array_equal(lin.logits([1, 2, 3, 4, 5]), Model(same, weights).logits([1, 2, 3, 4, 5]))
 
+    # YaRN as convert_hf_to_gguf.py writes it: the keys config.json had, with
+    # transformers' meaning; the original context defaults to context_length
+    yarn = [("llama.rope.scaling.type", "yarn", V.STRING), ("llama.rope.scaling.factor", 4.0, V.FLOAT32)]
+    path = write_gguf(tmp_path / "yarn.gguf", "llama", gguf_meta("llama", extra=yarn), plain)
+    assert read_config(path)["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 128}
+    assert Config.from_hf(read_config(path)).rope_scaling == ("yarn", 4.0, 128, 32.0, 1.0,
+                                                              np.float32(0.1 * np.log(4) + 1), True)
+    full = yarn + [("llama.rope.scaling.original_context_length", 32, V.UINT32),
+                   ("llama.rope.scaling.yarn_beta_fast", 16.0, V.FLOAT32),
+                   ("llama.rope.scaling.yarn_beta_slow", 2.0, V.FLOAT32),
+                   ("llama.rope.scaling.yarn_attn_factor", 1.5, V.FLOAT32),
+                   ("llama.rope.scaling.yarn_ext_factor", 1.0, V.FLOAT32)]
+    path = write_gguf(tmp_path / "yarn2.gguf", "llama", gguf_meta("llama", extra=full), plain)
+    assert Config.from_hf(read_config(path)).rope_scaling == ("yarn", 4.0, 32, 16.0, 2.0, 1.5, True)
+    # yarn by 1 (or 0: unset) is plain RoPE, as in llama.cpp
+    path = write_gguf(tmp_path / "yarn1.gguf", "llama",
+                      gguf_meta("llama", extra=[yarn[0], ("llama.rope.scaling.factor", 0.0, V.FLOAT32)]), plain)
+    assert read_config(path)["rope_scaling"] is None
+
 
 def test_gguf_config_mapping_and_defaults(tmp_path):
     gguf = gguf_py()

@@ -683,7 +683,7 @@ def test_from_hf_mapping_and_refusals():
                            ({"num_hidden_layers": 7}, "must equal layers"),
                            ({"recurrent_layers": 3}, "recurrent_layers must equal"),
                            ({"gdn_conv_kernel_size": 0}, "gdn_conv_kernel_size"),
-                           ({"rope_scaling": {"type": "yarn"}}, "not implemented"),
+                           ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "not implemented"),
                            ({"hidden_act": "gelu"}, "hidden_act"),
                            ({"model_type": "qwen3"}, "model_type must be surjo")]:
         with pytest.raises(ValueError, match=message):

@@ -331,19 +331,24 @@ def _config(path, meta, infos):
     if experts:
         raise CheckpointError(path, f"is a mixture of {experts} experts; not supported")
 
-    # Linear scaling by 1 is plain RoPE; a factor of 0 is how llama.cpp
-    # writes "unset". Llama 3's scaling comes as the rope_freqs tensor: one
-    # divisor per rotary frequency (convert_hf_to_gguf.py computes them).
+    # Linear or YaRN scaling by 1 is plain RoPE; a factor of 0 is how
+    # llama.cpp writes "unset". Llama 3's scaling comes as the rope_freqs
+    # tensor: one divisor per rotary frequency (convert_hf_to_gguf.py
+    # computes them).
     scaling = m.get("rope.scaling.type", "str", default="none")
     factor = m.get("rope.scaling.factor", "float", default=0.0)
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear", "yarn"):
         raise CheckpointError(path, f"uses rope scaling type {scaling!r} (factor {factor}); cism implements "
-                              "plain, linear and Llama 3 (rope_freqs) RoPE")
+                              "plain, linear, yarn and Llama 3 (rope_freqs) RoPE")
+    attn = m.get("rope.scaling.attn_factor", "float", default=1.0)
+    if attn != 1.0:
+        raise CheckpointError(path, f"metadata rope.scaling.attn_factor is {attn}; cism implements only 1")
     rope_scaling = None
-    if scaling == "linear" and factor not in (0.0, 1.0):
+    if scaling in ("linear", "yarn") and factor not in (0.0, 1.0):
         if not (math.isfinite(factor) and factor > 0):
             raise CheckpointError(path, f"metadata rope.scaling.factor is {factor}, expected a positive number")
-        rope_scaling = {"rope_type": "linear", "factor": factor}
+        rope_scaling = {"rope_type": "linear", "factor": factor} if scaling == "linear" else \
+            _yarn_scaling(path, m, factor)
     names = {t.name for t in infos}
     freqs = next((t for t in infos if t.name == "rope_freqs.weight"), None)
     factors = None
@@ -387,6 +392,35 @@ def _config(path, meta, infos):
         if isinstance(value, int) and not isinstance(value, bool):
             config[key] = value
     return config
+
+
+def _yarn_scaling(path, m, factor):
+    """YaRN as transformers' rope_scaling. convert_hf_to_gguf.py writes
+    factor, original_context_length and, when config.json has them,
+    yarn_beta_fast, yarn_beta_slow and yarn_attn_factor (transformers'
+    attention_factor, copied as is); cism reads them with transformers'
+    meaning. It cannot write mscale/mscale_all_dim or truncate=false, so a
+    file stands for the default attention factor 0.1 ln(factor) + 1 and a
+    truncated ramp (as llama.cpp runs every yarn file). yarn_ext_factor
+    (llama.cpp's mix of the ramp, 1 for YaRN) and yarn_log_multiplier
+    (DeepSeek's mscale_all_dim) have no transformers meaning here: refused
+    unless at their neutral values."""
+    ext = m.get("rope.scaling.yarn_ext_factor", "float", default=1.0)
+    log_mul = m.get("rope.scaling.yarn_log_multiplier", "float", default=0.0)
+    if ext != 1.0 or log_mul != 0.0:
+        raise CheckpointError(path, f"uses yarn_ext_factor {ext} and yarn_log_multiplier {log_mul}; cism "
+                              "implements YaRN as transformers does (ext_factor 1, no log multiplier)")
+    scaling = {"rope_type": "yarn", "factor": factor,
+               "original_max_position_embeddings": m.get("rope.scaling.original_context_length", "int",
+                                                         default=m.get("context_length", "int", required=True))}
+    for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                      ("attention_factor", "yarn_attn_factor")):
+        value = m.get(f"rope.scaling.{name}", "float")
+        if value is not None:
+            if not (math.isfinite(value) and value > 0):
+                raise CheckpointError(path, f"metadata rope.scaling.{name} is {value}, expected a positive number")
+            scaling[key] = value
+    return scaling
 
 
 def _rope_factors(path, info, head_dim):

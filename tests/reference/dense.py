@@ -19,6 +19,8 @@ Inputs
     sliding_window        W: mistral only (null: none)
     rope_scaling          {"rope_type": "linear", "factor"} or llama3's (factor,
                           low_freq_factor, high_freq_factor, original_max_position_embeddings)
+                          or yarn's (factor, original_max_position_embeddings, beta_fast 32,
+                          beta_slow 1, attention_factor 0.1 ln(factor) + 1, truncate true)
 
 ``weights``: HF tensor names -> arrays, every linear weight stored (out, in):
 
@@ -48,8 +50,11 @@ Equations (x_t is the residual stream of token t at absolute position p_t)
       qwen3:  q_i  = rms(q_i; q_norm), k_j = rms(k_j; k_norm)   per head, before RoPE
       RoPE (HF rotate-half): for i < Dh/2, inv_freq_i = theta^(-2i/Dh), a = p * inv_freq_i,
               (linear: inv_freq_i / factor; llama3: wavelength 2pi/inv_freq_i below
-               orig/high kept, above orig/low divided by factor, blended between)
-              (u_i, u_{i+Dh/2}) <- (u_i cos a - u_{i+Dh/2} sin a, u_{i+Dh/2} cos a + u_i sin a)
+               orig/high kept, above orig/low divided by factor, blended between;
+               yarn: d(r) = Dh ln(orig / (2 pi r)) / (2 ln theta), low = floor d(beta_fast),
+               high = ceil d(beta_slow) clipped to [0, Dh-1], ramp_i = clip((i - low) / (high - low)),
+               inv_freq_i (1 - ramp_i) + inv_freq_i / factor ramp_i, and m = attention_factor)
+              (u_i, u_{i+Dh/2}) <- m (u_i cos a - u_{i+Dh/2} sin a, u_{i+Dh/2} cos a + u_i sin a)
       att_i(t)     = sum_{t-W<s<=t} softmax_s(q_i(t).k_j(s) / sqrt(Dh)) v_j(s),  j = i // (H/Hkv)
       x           += Wo concat_i att_i
       h            = rms(x; post_attention_layernorm)
@@ -107,8 +112,32 @@ def _inv_freq(half, theta, scaling):
         smooth = (orig / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         return np.where(wavelen < orig / high, inv_freq, np.where(wavelen > orig / low, inv_freq / factor, blended))
+    if kind == "yarn":
+        factor, orig, dim = scaling["factor"], scaling["original_max_position_embeddings"], 2 * half
+        def dim_of(rotations):   # the dimension that turns `rotations` times over orig positions
+            return dim * math.log(orig / (2 * math.pi * rotations)) / (2 * math.log(theta))
+        low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(half) - low) / max(high - low, 0.001), 0, 1)   # 0: keep, 1: divide
+        return inv_freq * (1 - ramp) + inv_freq / factor * ramp
     assert kind in (None, "default"), kind
     return inv_freq
+
+
+def _attention_factor(scaling):
+    """What cos and sin are multiplied by (yarn only)."""
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling["factor"]
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def _rope(u, positions, theta, scaling=None):
@@ -116,8 +145,9 @@ def _rope(u, positions, theta, scaling=None):
     half = u.shape[-1] // 2
     inv_freq = _inv_freq(half, theta, scaling or {})
     angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]                # (T, Dh/2)
-    cos = np.cos(angle).astype(u.dtype)[:, None, :]
-    sin = np.sin(angle).astype(u.dtype)[:, None, :]
+    m = _attention_factor(scaling or {})
+    cos = (m * np.cos(angle)).astype(u.dtype)[:, None, :]
+    sin = (m * np.sin(angle)).astype(u.dtype)[:, None, :]
     a, b = u[..., :half], u[..., half:]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
