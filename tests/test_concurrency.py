@@ -365,11 +365,17 @@ def test_gil_is_released_during_compute():
     }
     # Each call lasts 0.4-0.8 s on the 2-core reference machine, so a call
     # that held the GIL (a stall as long as the call: a 9 s C-level bigint
-    # product stalls the counter 9.3 s) fails the bound by far.
+    # product stalls the counter 9.3 s) fails the bound by far, on every try.
+    # A loaded host can deschedule the counter once for 0.1 s: three tries.
     for name, call in calls.items():
-        elapsed, counts, gap = _longest_python_stall(call)
-        assert counts > 0, name
-        assert gap < max(0.5 * elapsed, 0.02), (name, elapsed, gap)
+        tries = [_longest_python_stall(call)]
+        while not _stall_ok(*tries[-1]) and len(tries) < 3:
+            tries.append(_longest_python_stall(call))
+        assert _stall_ok(*tries[-1]), (name, tries)
+
+
+def _stall_ok(elapsed, counts, gap):
+    return counts > 0 and gap < max(0.5 * elapsed, 0.02)
 
 
 # ------------------------------------------- cancellation at every point ---
