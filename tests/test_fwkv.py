@@ -563,7 +563,7 @@ def test_weight_validation_messages():
     with pytest.raises(ValueError, match="must be a float array"):
         Model(c, dict(good, **{"norm.weight": np.arange(48)}))
     with pytest.raises(ValueError, match="precision must be"):
-        Model(c, good, precision="int4")
+        Model(c, good, precision="int2")
     with pytest.raises(ValueError, match="act_precision must be"):
         Model(c, good, act_precision="fp16")
     with pytest.raises(ValueError, match="threads must be in"):

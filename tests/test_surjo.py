@@ -726,7 +726,7 @@ def test_weight_validation_messages():
     with pytest.raises(ValueError, match="missing lm_head.weight for untied model"):
         Model(config, {k: v for k, v in good.items() if k != "lm_head.weight"})
     with pytest.raises(ValueError, match="precision must be"):
-        Model(config, good, precision="int4")
+        Model(config, good, precision="int2")
     with pytest.raises(ValueError, match="act_precision must be"):
         Model(config, good, act_precision="fp16")
     with pytest.raises(ValueError, match="threads must be in"):
