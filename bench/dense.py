@@ -17,7 +17,7 @@ from bench_common import default_model
 from cism import _kernels
 from cism.bench import SHAPES, format_table, measure, random_model, read_bandwidth, timed_load
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 def main(argv=None):

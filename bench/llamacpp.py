@@ -11,8 +11,8 @@ measures, with runs alternating between the engines:
   the llama-cpp-python sdist as ../shared/NOTES.md says), else
   llama-cpp-python (one token per eval after a 16-token prompt; one eval of
   the prompt),
-- cism at the matching precision (fp32, fp16, int8, hybrid-int4) loading the
-  same GGUF, and its prefill again with the opt-in bf16 prefill precision
+- cism at the matching precision (fp32, fp16, int8; hybrid-int4 and the
+  all-4-bit int4 and fp4 on the Q4_0 file) loading the same GGUF, and its prefill again with the opt-in bf16 prefill precision
   where the CPU has AMX-BF16 (column "bf16 pre": not bit-identical to
   decoding, see docs/EXACTNESS.md).
 
@@ -31,6 +31,10 @@ llama.cpp a same-sized buffer).
     python bench/llamacpp.py [--threads 2] [--repeats 5] [--json]
     python bench/llamacpp.py --shape qwen3-0.6b --repeats 3
     python bench/llamacpp.py --act int8
+    python bench/llamacpp.py --shape qwen3-0.6b --act int8 --formats Q4_0 --precision int4 fp4
+
+--precision keeps only the rows of those cism precisions (Q4_0 has three:
+hybrid-int4, int4, fp4; llama.cpp is measured again for each).
 
 --act int8 runs cism with int8 activations (q8 blocks of 32, as llama.cpp's
 own Q8_0 and Q4_0 dot products use): for int8 weights that is the exact
@@ -57,7 +61,7 @@ DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if v.get("model_type") in ("l
 # gives those matrices fallback types (auto: int8); use --shape qwen3-0.6b
 # for files that are K-quants throughout.
 PAIRS = [("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "int8"), ("Q4_0", "hybrid-int4"),
-         ("Q4_K_M", "auto"), ("Q6_K", "auto")]
+         ("Q4_0", "int4"), ("Q4_0", "fp4"), ("Q4_K_M", "auto"), ("Q6_K", "auto")]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 
 
@@ -190,7 +194,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--formats", nargs="+", default=[q for q, _ in PAIRS])
+    ap.add_argument("--formats", nargs="+", default=list(dict.fromkeys(q for q, _ in PAIRS)))
+    ap.add_argument("--precision", nargs="+", choices=sorted({p for _, p in PAIRS}),
+                    help="only the rows of these cism precisions (default: all)")
     ap.add_argument("--act", choices=["fp32", "int8"], default="fp32",
                     help="cism's activation precision (default fp32)")
     ap.add_argument("--json", action="store_true")
@@ -218,7 +224,7 @@ def main(argv=None):
     bw = read_bandwidth(args.threads, args.repeats)
     rows = []
     for qtype, precision in PAIRS:
-        if qtype not in args.formats:
+        if qtype not in args.formats or (args.precision and precision not in args.precision):
             continue
         path = os.path.join(args.out_dir, f"{os.path.basename(src)}.{qtype}.gguf")
         if args.shape and qtype == "F32":

@@ -20,7 +20,7 @@ import sys
 from cism import _kernels
 from cism.bench import SHAPES, format_table, measure, random_surjo, read_bandwidth, timed_load
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 def main(argv=None):

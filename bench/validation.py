@@ -15,7 +15,7 @@ import sys
 
 from bench_common import shared_data
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 def command(args, text, precision, act, base, save):
@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/cism-validation")
     ap.add_argument("--reuse", action="store_true", help="keep results already in --out")
+    ap.add_argument("--precision", nargs="+", default=PRECISIONS, choices=PRECISIONS,
+                    help="the rows to run (fp32 always: the KL base)")
     args = ap.parse_args(argv)
     data = shared_data()
     if data is None:
@@ -45,7 +47,7 @@ def main(argv=None):
         g.write(f.read().replace(b"\r\n", b"\n"))
     base = os.path.join(args.out, "fp32.npy")
     rows = []
-    for precision in PRECISIONS:
+    for precision in ["fp32"] + [p for p in args.precision if p != "fp32"]:
         for act in ("fp32", "int8"):
             first = precision == "fp32" and act == "fp32"
             out = os.path.join(args.out, f"{precision}-{act}.json")

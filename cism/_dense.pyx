@@ -100,7 +100,7 @@ cdef class DenseModel(WeightStore):
         # "auto": each matrix in the storage `storages` names (the loader's
         # choice per GGUF tensor), fp32 for any it does not name
         auto = precision in ("auto", "native")
-        protected, mlp = self.begin(config, getattr(type(self), "config_class", None) or Config,
+        embed, linear, mlp = self.begin(config, getattr(type(self), "config_class", None) or Config,
                                     "fp32" if auto else precision, act_precision, threads, CODE_VERSION)
         if auto:
             self.precision_ = precision = "auto"
@@ -132,11 +132,11 @@ cdef class DenseModel(WeightStore):
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
 
-        self.c.embed = self.mat("model.embed_tokens.weight", arrays, protected)[0]
+        self.c.embed = self.mat("model.embed_tokens.weight", arrays, embed)[0]
         if c.tied:
             self.c.head = self.c.embed
         else:
-            self.c.head = self.mat("lm_head.weight", arrays, protected)[0]
+            self.c.head = self.mat("lm_head.weight", arrays, embed)[0]
         self.c.final_norm = self.vec("model.norm.weight", arrays)
         cdef Layer *L
         for i in range(c.layers):
@@ -144,10 +144,10 @@ cdef class DenseModel(WeightStore):
             L = &self.c.layer[i]
             L.input_norm = self.vec(p + "input_layernorm.weight", arrays)
             L.post_norm = self.vec(p + "post_attention_layernorm.weight", arrays)
-            L.q = self.mat(p + "self_attn.q_proj.weight", arrays, protected)[0]
-            L.k = self.mat(p + "self_attn.k_proj.weight", arrays, protected)[0]
-            L.v = self.mat(p + "self_attn.v_proj.weight", arrays, protected)[0]
-            L.o = self.mat(p + "self_attn.o_proj.weight", arrays, protected)[0]
+            L.q = self.mat(p + "self_attn.q_proj.weight", arrays, linear)[0]
+            L.k = self.mat(p + "self_attn.k_proj.weight", arrays, linear)[0]
+            L.v = self.mat(p + "self_attn.v_proj.weight", arrays, linear)[0]
+            L.o = self.mat(p + "self_attn.o_proj.weight", arrays, linear)[0]
             if self.c.qwen3:
                 L.q_norm = self.vec(p + "self_attn.q_norm.weight", arrays)
                 L.k_norm = self.vec(p + "self_attn.k_norm.weight", arrays)

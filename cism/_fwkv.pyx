@@ -43,7 +43,7 @@ DEF COLS = 64
 # ----------------------------------------------------------------- model ---
 
 cdef struct Layer:
-    cism_mat k, v, r, out      # (d_model, d_model), protected storage
+    cism_mat k, v, r, out      # (d_model, d_model), protected storage (4-bit in int4/fp4)
     cism_mat ffn0              # (ffn, d_model), 4-bit in the hybrids
     cism_mat ffn2              # (d_model, ffn), 4-bit in the hybrids
     const float *decay         # (d_model,) clamp(sigmoid(w), wkv_floor, 0.999)
@@ -71,7 +71,8 @@ cdef class FwkvModel(WeightStore):
     with ``weights`` a mapping of the published tensor names to float arrays.
     The four WKV projections and the shared embedding/head are stored at the
     protected precision (fp32, fp16, or int8 for int8 and both hybrids);
-    ffn.0/ffn.2 go to int4 or fp4 in the hybrids. shared.proj, the decays and
+    ffn.0/ffn.2 go to int4 or fp4 in the hybrids, and int4/fp4 put the WKV
+    projections there too (check_precisions names the shared matrix's storage). shared.proj, the decays and
     the LayerNorms stay fp32.
     """
     cdef ModelC c
@@ -81,7 +82,7 @@ cdef class FwkvModel(WeightStore):
 
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32"):
         from cism.fwkv import Config, weight_shapes
-        protected, mlp = self.begin(config, getattr(type(self), "config_class", None) or Config,
+        embed, linear, mlp = self.begin(config, getattr(type(self), "config_class", None) or Config,
                                     precision, act_precision, threads, CODE_VERSION)
         arrays = self.load_weights(weights, weight_shapes(config), False)
 
@@ -99,7 +100,7 @@ cdef class FwkvModel(WeightStore):
 
         # One packed copy serves the embedding gather and the tied head (the
         # spec builds two identical copies; one is read per token either way).
-        self.c.shared = self.mat("shared.weight", arrays, protected)[0]
+        self.c.shared = self.mat("shared.weight", arrays, embed)[0]
         self.c.proj = self.vec("shared.proj.weight", arrays)
         self.c.norm_w = self.vec("norm.weight", arrays)
         self.c.norm_b = self.vec("norm.bias", arrays)
@@ -108,10 +109,10 @@ cdef class FwkvModel(WeightStore):
         for i in range(c.layers):
             p = f"blocks.{i}."
             L = &self.c.layer[i]
-            L.k = self.mat(p + "proj_k.weight", arrays, protected)[0]
-            L.v = self.mat(p + "proj_v.weight", arrays, protected)[0]
-            L.r = self.mat(p + "proj_r.weight", arrays, protected)[0]
-            L.out = self.mat(p + "proj_out.weight", arrays, protected)[0]
+            L.k = self.mat(p + "proj_k.weight", arrays, linear)[0]
+            L.v = self.mat(p + "proj_v.weight", arrays, linear)[0]
+            L.r = self.mat(p + "proj_r.weight", arrays, linear)[0]
+            L.out = self.mat(p + "proj_out.weight", arrays, linear)[0]
             L.ffn0 = self.mat(p + "ffn.0.weight", arrays, mlp)[0]
             L.ffn2 = self.mat(p + "ffn.2.weight", arrays, mlp)[0]
             # the decay depends on the weights only: once here, not per token

@@ -70,6 +70,8 @@ cdef class SurjoModel(WeightStore):
     kv_precision="fp32")`` with ``weights`` a mapping of the spec's tensor names to float arrays.
     Attention and GDN projections, the embedding and the head use the protected
     storage (fp32, fp16 or int8); the MLPs use int4 / fp4 in the hybrid precisions.
+    int4 and fp4 put the attention and GDN projections at 4 bits as well
+    (check_precisions names the embedding/head storage).
     """
 
     def __cinit__(self):
@@ -78,7 +80,7 @@ cdef class SurjoModel(WeightStore):
     def __init__(self, config, weights, precision="fp32", threads=None, act_precision="fp32",
                  kv_precision="fp32"):
         from cism.surjo import Config, weight_shapes
-        protected, mlp = self.begin(config, Config, precision, act_precision, threads, CODE_VERSION)
+        embed, linear, mlp = self.begin(config, Config, precision, act_precision, threads, CODE_VERSION)
         check_kv_precision(kv_precision)
         self.c.kv_f16 = kv_precision == "fp16"
         self.kv_precision_ = kv_precision
@@ -112,11 +114,11 @@ cdef class SurjoModel(WeightStore):
             raise MemoryError("cannot allocate the layer table")
         self._build_plan()
 
-        self.c.embed = self.mat("model.embed_tokens.weight", arrays, protected)[0]
+        self.c.embed = self.mat("model.embed_tokens.weight", arrays, embed)[0]
         if c.tied:
             self.c.head = self.c.embed
         else:
-            self.c.head = self.mat("lm_head.weight", arrays, protected)[0]
+            self.c.head = self.mat("lm_head.weight", arrays, embed)[0]
         self.c.final_norm = self.vec("model.norm.weight", arrays)
         layer_bytes = []
         cdef Layer *L
@@ -129,24 +131,24 @@ cdef class SurjoModel(WeightStore):
             L.post_norm = self.vec(p + "post_attention_layernorm.weight", arrays)
             if L.xsa:
                 a = p + "self_attn."
-                L.q = self.mat(a + "q_proj.weight", arrays, protected)[0]
-                L.k = self.mat(a + "k_proj.weight", arrays, protected)[0]
-                L.v = self.mat(a + "v_proj.weight", arrays, protected)[0]
-                L.o = self.mat(a + "o_proj.weight", arrays, protected)[0]
+                L.q = self.mat(a + "q_proj.weight", arrays, linear)[0]
+                L.k = self.mat(a + "k_proj.weight", arrays, linear)[0]
+                L.v = self.mat(a + "v_proj.weight", arrays, linear)[0]
+                L.o = self.mat(a + "o_proj.weight", arrays, linear)[0]
                 L.q_norm = self.vec(a + "q_norm.weight", arrays)
                 L.k_norm = self.vec(a + "k_norm.weight", arrays)
             else:
                 a = p + "linear_attn."
-                L.q = self.mat(a + "q_proj.weight", arrays, protected)[0]
-                L.k = self.mat(a + "k_proj.weight", arrays, protected)[0]
-                L.v = self.mat(a + "v_proj.weight", arrays, protected)[0]
-                L.b = self.mat(a + "b_proj.weight", arrays, protected)[0]
-                L.w = self.mat(a + "w_proj.weight", arrays, protected)[0]
-                L.f0 = self.mat(a + "f_proj.0.weight", arrays, protected)[0]
-                L.f1 = self.mat(a + "f_proj.1.weight", arrays, protected)[0]
-                L.g0 = self.mat(a + "g_proj.0.weight", arrays, protected)[0]
-                L.g1 = self.mat(a + "g_proj.1.weight", arrays, protected)[0]
-                L.o = self.mat(a + "o_proj.weight", arrays, protected)[0]
+                L.q = self.mat(a + "q_proj.weight", arrays, linear)[0]
+                L.k = self.mat(a + "k_proj.weight", arrays, linear)[0]
+                L.v = self.mat(a + "v_proj.weight", arrays, linear)[0]
+                L.b = self.mat(a + "b_proj.weight", arrays, linear)[0]
+                L.w = self.mat(a + "w_proj.weight", arrays, linear)[0]
+                L.f0 = self.mat(a + "f_proj.0.weight", arrays, linear)[0]
+                L.f1 = self.mat(a + "f_proj.1.weight", arrays, linear)[0]
+                L.g0 = self.mat(a + "g_proj.0.weight", arrays, linear)[0]
+                L.g1 = self.mat(a + "g_proj.1.weight", arrays, linear)[0]
+                L.o = self.mat(a + "o_proj.weight", arrays, linear)[0]
                 L.q_conv = self.vec(a + "q_conv.conv.weight", arrays)
                 L.k_conv = self.vec(a + "k_conv.conv.weight", arrays)
                 L.v_conv = self.vec(a + "v_conv.conv.weight", arrays)

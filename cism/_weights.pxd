@@ -38,7 +38,8 @@ cdef class WeightStore:
 
     # ---- the scaffold a family's constructor and classes build on ----
     # The constructor's preamble: the config's class, the precisions and the
-    # threads checked and kept; returns (protected storage, MLP storage).
+    # threads checked and kept; returns the storages of (embedding and head,
+    # the other linear layers, the MLP).
     cpdef tuple begin(self, config, config_class, precision, act_precision, threads, code_version)
     # check_weights against the shapes, and a tied head equal to the embedding
     cdef dict load_weights(self, weights, shapes, bint tied)

@@ -31,7 +31,16 @@ cdef extern from "memscan.h" nogil:
                                size_t begin, size_t end, size_t streams)
 
 
-PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4")
+PRECISIONS = ("fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4")
+
+# The embedding/head storage of the all-4-bit precisions: 4-bit too. An int8
+# embedding/head would cut SmolLM2's KL against fp32 by 0.12 (int4 0.40 ->
+# 0.29, fp4 0.35 -> 0.24) and add 16-20% to Qwen3-0.6B's bytes per token
+# (int4 373 -> 432 MB, fp4 336 -> 404 MB), the same trade as the step from
+# the hybrids; the 4-bit head is what makes these precisions the smallest
+# (docs/VALIDATION.md).
+EMBED_HEAD_4BIT = {"int4": "int4", "fp4": "fp4"}
+
 
 # Floats per row block when a lazy matrix is packed (add_any_matrix): the
 # transient of a load, against the packed weights it builds (a Llama 3
@@ -48,15 +57,19 @@ def check_kv_precision(value):
 
 
 def check_precisions(precision, act_precision):
-    """The spec's precision names; returns (protected storage, MLP storage):
-    hybrids keep attention, embeddings and head at int8 and the MLP at 4 bits."""
+    """The spec's precision names; returns the storages of (embedding and
+    head, the other linear layers, the MLP): hybrids keep attention,
+    embedding and head at int8 and put the MLP at 4 bits; int4 and fp4 put
+    every linear layer at 4 bits and the embedding/head at EMBED_HEAD_4BIT."""
     if precision not in PRECISIONS:
-        raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, or hybrid-fp4, "
+        raise ValueError("precision must be fp32, fp16, int8, hybrid-int4, hybrid-fp4, int4, or fp4, "
                          f"got {precision!r}")
     if act_precision not in ("fp32", "int8"):
         raise ValueError(f"act_precision must be fp32 or int8, got {act_precision!r}")
+    if precision in ("int4", "fp4"):
+        return EMBED_HEAD_4BIT[precision], precision, precision
     protected = {"fp32": "fp32", "fp16": "fp16"}.get(precision, "int8")
-    return protected, {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
+    return protected, protected, {"hybrid-int4": "int4", "hybrid-fp4": "fp4"}.get(precision, protected)
 
 
 def check_weights(weights, shapes):
@@ -218,16 +231,17 @@ cdef class WeightStore:
     cpdef tuple begin(self, config, config_class, precision, act_precision, threads, code_version):
         """The constructor's preamble (callable from a Python family too):
         config of config_class, precisions checked, threads resolved and
-        kept with the code version; returns (protected, MLP) storages."""
+        kept with the code version; returns the (embedding and head, other
+        linear layers, MLP) storages of check_precisions."""
         if not isinstance(config, config_class):
             raise ValueError(f"config must be a {config_class.__module__}.Config, got {type(config).__name__}")
-        protected, mlp = check_precisions(precision, act_precision)
+        storages = check_precisions(precision, act_precision)
         self.config = config
         self.precision_ = precision
         self.threads_ = resolve_threads(threads)
         self.scan_threads = self.threads_
         self.code_version = code_version
-        return protected, mlp
+        return storages
 
     cdef dict load_weights(self, weights, shapes, bint tied):
         arrays = check_weights(weights, shapes)

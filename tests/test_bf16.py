@@ -228,7 +228,7 @@ def test_prefill_bf16_warns_and_stays_exact_without_amx():
     assert np.array_equal(model.logits(prompt), want)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-int4", "int4"])
 def test_prefill_bf16_close_to_exact(precision, bf16_unit):
     exact = small_model("qwen3", precision, seed=5)
     fast = bf16_model("qwen3", precision, seed=5)

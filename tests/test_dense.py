@@ -11,7 +11,7 @@ from cism.dense import Config, Model, weight_shapes
 from memlock import check_lock_pages
 from models import dense_weights, small_config, small_model
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 # ------------------------------------------------------ transformers parity ---
@@ -132,6 +132,7 @@ def test_thread_count_does_not_change_logits(precision):
 
 @pytest.mark.parametrize("precision,heads,kv_heads,kv,head_dim", [
     ("fp32", 4, 2, "fp32", 16), ("int8", 4, 2, "fp32", 16), ("hybrid-fp4", 4, 2, "fp32", 16),
+    ("int4", 4, 2, "fp32", 16), ("fp4", 4, 2, "fp16", 16),
     ("fp32", 4, 4, "fp32", 16), ("fp32", 6, 2, "fp32", 16), ("int8", 12, 2, "fp32", 16),
     ("int8", 4, 2, "fp16", 16), ("fp32", 12, 2, "fp16", 16), ("fp32", 6, 2, "fp32", 48),
     ("fp32", 18, 1, "fp32", 16)])
@@ -453,7 +454,7 @@ def test_weight_validation_messages():
     with pytest.raises(ValueError, match="missing lm_head.weight for untied model"):
         Model(config, {k: v for k, v in good.items() if k != "lm_head.weight"})
     with pytest.raises(ValueError, match="precision must be"):
-        Model(config, good, precision="int4")
+        Model(config, good, precision="int2")
     with pytest.raises(ValueError, match="act_precision must be"):
         Model(config, good, act_precision="fp16")
     with pytest.raises(ValueError, match="threads must be in"):
@@ -529,6 +530,18 @@ def test_model_properties_and_memory_controls():
         with pytest.raises(ValueError, match="streams must be in"):
             m.scan(streams=bad)
     check_lock_pages(m)
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp4"])
+def test_all_4bit_precisions_store_every_matrix_at_4_bits(precision):
+    """int4/fp4: attention, MLP, embedding and head at 4 bits (rows of any
+    width: a partial last block is padded, so no shape is refused)."""
+    config = small_config("qwen3")
+    w = dense_weights(config)
+    m = Model(config, w, precision, threads=1)
+    for name, v in w.items():
+        if v.ndim == 2:
+            assert m.matrix(name).storage == precision, name
 
 
 # ------------------------------------------------------- fp16 KV caches ---

@@ -144,7 +144,8 @@ def test_architectures_in_the_engine_equal_solo(kind, kw):
 @pytest.mark.parametrize("family,precision,act,kv", [
     ("dense", "fp16", "fp32", "fp16"), ("dense", "int8", "int8", "fp32"),
     ("dense", "hybrid-int4", "int8", "fp32"), ("surjo", "int8", "int8", "fp16"),
-    ("fwkv", "hybrid-fp4", "int8", "fp32")])
+    ("fwkv", "hybrid-fp4", "int8", "fp32"), ("dense", "int4", "int8", "fp16"),
+    ("surjo", "fp4", "int8", "fp32"), ("fwkv", "int4", "int8", "fp32")])
 def test_precisions_and_kv_layouts_equal_solo(family, precision, act, kv):
     m = model_of(family, precision, act_precision=act, kv_precision=kv)
     rng = np.random.default_rng(3)

@@ -20,7 +20,7 @@ from tests.reference import fwkv as ref
 from conftest import runnable_isas
 from memlock import check_lock_pages
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 MATRICES = ("proj_k.weight", "proj_v.weight", "proj_r.weight", "proj_out.weight",
             "ffn.0.weight", "ffn.2.weight")
 
@@ -272,7 +272,7 @@ def test_every_precision_matches_reference_on_its_stored_weights(precision):
 # ------------------------------------------------------------- invariances ---
 
 @pytest.mark.parametrize("precision,act", [(p, "fp32") for p in PRECISIONS]
-                         + [("int8", "int8"), ("hybrid-int4", "int8")])
+                         + [("int8", "int8"), ("hybrid-int4", "int8"), ("int4", "int8"), ("fp4", "int8")])
 def test_block_equals_single_steps(precision, act):
     """Logits and state after each single-token decode step equal, bit for
     bit, those of running the same tokens as one block; blocks of any length
@@ -299,7 +299,7 @@ def test_block_equals_single_steps(precision, act):
     assert p.history == s.history == seq[:-1] and p.position == s.position == len(seq) - 1
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-fp4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "hybrid-fp4", "int4", "fp4"])
 def test_thread_count_does_not_change_results(precision):
     c = config(d_model=96, d_emb=40, vocab=131)
     w = weights(c, 7)
@@ -313,7 +313,7 @@ def test_thread_count_does_not_change_results(precision):
         assert m.create_session(tokens[:9], 16).next_tokens(16) == gen
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_isa_gives_the_same_bits(precision, isa_level):
     m = model(precision, seed=2, d_model=72, d_emb=36)
     tokens = list(np.random.default_rng(5).integers(0, 97, 20))
@@ -563,7 +563,7 @@ def test_weight_validation_messages():
     with pytest.raises(ValueError, match="must be a float array"):
         Model(c, dict(good, **{"norm.weight": np.arange(48)}))
     with pytest.raises(ValueError, match="precision must be"):
-        Model(c, good, precision="int4")
+        Model(c, good, precision="int2")
     with pytest.raises(ValueError, match="act_precision must be"):
         Model(c, good, act_precision="fp16")
     with pytest.raises(ValueError, match="threads must be in"):
@@ -658,3 +658,13 @@ def test_model_properties_and_memory_controls():
     assert m.scan() == m.touch() > 0
     check_lock_pages(m)
     assert "fwkv" in repr(m)
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp4"])
+def test_all_4bit_precisions_store_every_matrix_at_4_bits(precision):
+    """int4/fp4: the WKV projections, the FFN and the shared embedding/head
+    at 4 bits; shared.proj stays fp32 as in every precision."""
+    c = config()
+    m = Model(c, weights(c), precision, threads=1)
+    for name in ["shared.weight"] + [f"blocks.{i}.{n}" for i in range(c.layers) for n in MATRICES]:
+        assert m.matrix(name).storage == precision, name

@@ -271,7 +271,7 @@ def test_llama_quantize_file_generates(path):
     assert len(tokens) == 4 and all(0 <= t < model.config.vocab for t in tokens)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "hybrid-int4", "hybrid-fp4"])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"])
 def test_k_quant_file_packs_into_every_precision(precision):
     """K-quants load by dequantising to float32, then packing like any weights."""
     import cism

@@ -239,7 +239,7 @@ def log_softmax64(z):
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("family", ["dense", "fwkv", "surjo"])
 def test_every_family_through_simple_evaluate(family, precision, family_dirs, generate_task, data_dir):
     path = family_dirs[family]

@@ -15,7 +15,7 @@ from cism.paging import BlockPool
 from conftest import hypothesis_examples, hypothesis_or_skip
 from models import small_model
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 
 # ------------------------------------------------------ the pool, modelled ---
@@ -457,7 +457,7 @@ def test_pools_with_heads_keep_each_head_a_stream_of_blocks():
 
 # --------------------------------------------------------- paged sessions ---
 
-@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("fp32", "fp16"), ("hybrid-fp4", "fp16")])
+@pytest.mark.parametrize("precision,kv", [(p, "fp32") for p in PRECISIONS] + [("fp32", "fp16"), ("hybrid-fp4", "fp16"), ("fp4", "fp16")])
 def test_paged_equals_dense_through_forks_evictions_and_resets(precision, kv):
     model = small_model("qwen3", precision, seed=21, kv_precision=kv)
     rng = np.random.default_rng(22)

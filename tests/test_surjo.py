@@ -18,7 +18,7 @@ from memlock import check_lock_pages
 from reference import exact as E
 from reference import surjo as ref
 
-PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4"]
+PRECISIONS = ["fp32", "fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"]
 
 # Plans covering passes 1-3, per_xsa 1-2, GQA/MHA, conv kernel 1-4, the XSA
 # projection on and off, Hv = H and Hv = 2H, tied and untied heads.
@@ -314,7 +314,7 @@ def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
     # int8 3.5e-3/3.9e-2/83%, hybrid-int4 1.8e-3/8.8e-3/93%, hybrid-fp4
     # 1.6e-3/4.4e-3/83% (random weights: flat distributions, max p ~0.08, so
     # near-ties flip the argmax). Unrelated logits give KL ~1.
-    for precision in ("fp16", "int8", "hybrid-int4", "hybrid-fp4"):
+    for precision in ("fp16", "int8", "hybrid-int4", "hybrid-fp4", "int4", "fp4"):
         m = Model(config, w, precision, threads=1)
         deq = {n: m.matrix(n).dequantize() if v.ndim == 2 else v for n, v in w.items()}
         got = m.logits_all(tokens)
@@ -332,7 +332,8 @@ def test_parity_bf16_checkpoint_and_quantized_precisions(tmp_path):
 
 @pytest.mark.parametrize("precision,act,kv", [("fp32", "fp32", "fp32"), ("int8", "int8", "fp32"),
                                               ("hybrid-fp4", "fp32", "fp32"), ("hybrid-int4", "int8", "fp32"),
-                                              ("fp32", "fp32", "fp16"), ("hybrid-int4", "int8", "fp16")])
+                                              ("fp32", "fp32", "fp16"), ("hybrid-int4", "int8", "fp16"),
+                                              ("int4", "int8", "fp32"), ("fp4", "fp32", "fp16")])
 def test_block_equals_steps_bitwise(precision, act, kv):
     """Logits after each single-token step equal, bit for bit, those of the same
     tokens run as one block (a 260-token prompt crosses the 256-token chunk)."""
@@ -422,9 +423,10 @@ def test_fp16_kv_through_load_and_the_cli(tmp_path):
         cism.load(tmp_path / "surjo", kv_precision="int8")
 
 
-def test_isa_variants_agree_bitwise(isa_level):
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp4"])
+def test_isa_variants_agree_bitwise(precision, isa_level):
     """The kernels are bit-identical across ISAs, so the whole forward is."""
-    model = make(precision="int8", act_precision="int8", seed=3)
+    model = make(precision=precision, act_precision="int8", seed=3)
     tokens = list(range(0, 101, 3))
     want = None
     for isa in runnable_isas():
@@ -442,7 +444,7 @@ def repetitive_prompt(seed, vocab=101):
     return base + base + base[:4]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "hybrid-int4"])
+@pytest.mark.parametrize("precision", ["fp32", "hybrid-int4", "int4", "fp4"])
 def test_prompt_lookup_speculation_equals_greedy(precision):
     model = make(precision=precision, seed=5)
     prompt = repetitive_prompt(6)
@@ -724,7 +726,7 @@ def test_weight_validation_messages():
     with pytest.raises(ValueError, match="missing lm_head.weight for untied model"):
         Model(config, {k: v for k, v in good.items() if k != "lm_head.weight"})
     with pytest.raises(ValueError, match="precision must be"):
-        Model(config, good, precision="int4")
+        Model(config, good, precision="int2")
     with pytest.raises(ValueError, match="act_precision must be"):
         Model(config, good, act_precision="fp16")
     with pytest.raises(ValueError, match="threads must be in"):
@@ -843,6 +845,18 @@ def test_model_properties_and_memory_controls():
     assert m.scan() == m.touch() > 0
     check_lock_pages(m)
     assert "surjo" in repr(m)
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp4"])
+def test_all_4bit_precisions_store_every_matrix_at_4_bits(precision):
+    """int4/fp4: XSA and GDN projections, MLP, embedding and head at 4 bits
+    (the 48-wide rows end in a partial int4 block)."""
+    config = Config(**BASE)
+    w = ref.random_weights(ref_config(config))
+    m = Model(config, w, precision, threads=1)
+    for name, v in w.items():
+        if v.ndim == 2:
+            assert m.matrix(name).storage == precision, name
 
 
 # ----------------------------------------------- stateful speculation check ---
