@@ -93,7 +93,8 @@ static void scores16_bf16_h_avx512(const float *Q, size_t ldq, size_t nq, const 
 
 #define PV_Q 6      /* queries per pass */
 #define PV_V 4      /* 16-column vectors per pass: 24 accumulators */
-#define PV_PAIRS 64 /* key pairs of the weights rounded at a time */
+#define PV_PAIRS 32 /* key pairs rounded at a time (weights and values) */
+#define PV_COLS 256 /* value columns rounded at a time */
 
 ALWAYS_INLINE __m512 value_row(const int H, const void *V, size_t ldv, size_t k, size_t nk, size_t c,
                                __mmask16 m) {
@@ -102,52 +103,65 @@ ALWAYS_INLINE __m512 value_row(const int H, const void *V, size_t ldv, size_t k,
              : _mm512_maskz_loadu_ps(m, (const float *)V + k * ldv + c);
 }
 
-/* QN queries x 16 * PV_V columns from c0 over the keys' pairs in order;
- * O is loaded and stored around the pass (exact), so the chain continues. */
-ALWAYS_INLINE void pv_pass(const int H, const int QN, const float *P, size_t ldp, const void *V, size_t ldv,
-                           size_t nk, float *O, size_t ldo, size_t c0, size_t n) {
-    __attribute__((aligned(64))) uint32_t pb[PV_Q][PV_PAIRS];
+/* QN queries x 16 * PV_V columns from c0 (of the cn in vb) over np key
+ * pairs: pb the queries' weight pairs (PV_PAIRS apart), vb the value
+ * pairs (pair p's 16-column vector c at vb + p * PV_COLS + 16 * c... in
+ * dwords). O is loaded and stored around the pass (exact), so the chain
+ * continues. */
+ALWAYS_INLINE void pv_pass(const int QN, const uint32_t *pb, const uint32_t *vb, size_t np, float *O, size_t ldo,
+                           size_t c0, size_t cn) {
     __m512 o[PV_Q][PV_V];
     __mmask16 m[PV_V];
     for (int v = 0; v < PV_V; v++) {
         const size_t c = c0 + 16 * v;
-        m[v] = c >= n ? 0 : n - c >= 16 ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
+        m[v] = c >= cn ? 0 : cn - c >= 16 ? 0xffff : (__mmask16)((1u << (cn - c)) - 1);
     }
     for (int q = 0; q < QN; q++)
         for (int v = 0; v < PV_V; v++) o[q][v] = _mm512_maskz_loadu_ps(m[v], O + q * ldo + c0 + 16 * v);
-    for (size_t k0 = 0; k0 < nk; k0 += 2 * PV_PAIRS) {
-        const size_t kn = nk - k0 < 2 * PV_PAIRS ? nk - k0 : 2 * PV_PAIRS;
-        for (int q = 0; q < QN; q++)
-            for (size_t e = 0; e < kn; e += 32)
-                round32(P + q * ldp + k0 + e, kn - e, (uint16_t *)pb[q] + e);
-        for (size_t p = 0; 2 * p < kn; p++) {
-            const size_t k = k0 + 2 * p;
-            __m512bh x[PV_V];
-            for (int v = 0; v < PV_V; v++) {
-                const size_t c = c0 + 16 * v;
-                x[v] = (__m512bh)pairs16(value_row(H, V, ldv, k, nk, c, m[v]), value_row(H, V, ldv, k + 1, nk, c, m[v]));
-            }
-            for (int q = 0; q < QN; q++) {
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pb[q][p]);
-                for (int v = 0; v < PV_V; v++) o[q][v] = _mm512_dpbf16_ps(o[q][v], a, x[v]);
-            }
+    for (size_t p = 0; p < np; p++) {
+        __m512bh x[PV_V];
+        for (int v = 0; v < PV_V; v++) x[v] = (__m512bh)_mm512_load_si512((const void *)(vb + p * PV_COLS + c0 + 16 * v));
+        for (int q = 0; q < QN; q++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pb[q * PV_PAIRS + p]);
+            for (int v = 0; v < PV_V; v++) o[q][v] = _mm512_dpbf16_ps(o[q][v], a, x[v]);
         }
     }
     for (int q = 0; q < QN; q++)
         for (int v = 0; v < PV_V; v++) _mm512_mask_storeu_ps(O + q * ldo + c0 + 16 * v, m[v], o[q][v]);
 }
 
+/* The keys by PV_PAIRS pairs and the columns by PV_COLS: each value pair
+ * rounded once for all the queries, each query's weights once per block. */
 ALWAYS_INLINE void pv_tpl(const int H, const float *P, size_t ldp, size_t nq, const void *V, size_t ldv, size_t nk,
                           float *O, size_t ldo, size_t n) {
-    for (size_t q = 0; q < nq; q += PV_Q) {
-        const float *Pq = P + q * ldp;
-        float *Oq = O + q * ldo;
-        for (size_t c0 = 0; c0 < n; c0 += 16 * PV_V) {
-            switch (nq - q < PV_Q ? nq - q : PV_Q) {
-#define PV_CASE(N) case N: pv_pass(H, N, Pq, ldp, V, ldv, nk, Oq, ldo, c0, n); break;
-            PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2) PV_CASE(1)
+    __attribute__((aligned(64))) uint32_t vb[PV_PAIRS * PV_COLS];
+    __attribute__((aligned(64))) uint32_t pb[PV_Q * PV_PAIRS];
+    for (size_t k0 = 0; k0 < nk; k0 += 2 * PV_PAIRS) {
+        const size_t kn = nk - k0 < 2 * PV_PAIRS ? nk - k0 : 2 * PV_PAIRS, np = (kn + 1) / 2;
+        for (size_t cc = 0; cc < n; cc += PV_COLS) {
+            const size_t cn = n - cc < PV_COLS ? n - cc : PV_COLS;
+            for (size_t p = 0; p < np; p++)
+                for (size_t c = 0; c < cn; c += 16) {
+                    const __mmask16 m = cn - c >= 16 ? 0xffff : (__mmask16)((1u << (cn - c)) - 1);
+                    const size_t k = k0 + 2 * p;
+                    _mm512_store_si512((void *)(vb + p * PV_COLS + c),
+                                       pairs16(value_row(H, V, ldv, k, nk, cc + c, m),
+                                               value_row(H, V, ldv, k + 1, nk, cc + c, m)));
+                }
+            for (size_t q = 0; q < nq; q += PV_Q) {
+                const size_t qn = nq - q < PV_Q ? nq - q : PV_Q;
+                for (size_t i = 0; i < qn; i++)
+                    for (size_t e = 0; e < kn; e += 32)
+                        round32(P + (q + i) * ldp + k0 + e, kn - e, (uint16_t *)(pb + i * PV_PAIRS) + e);
+                float *Oq = O + q * ldo + cc;
+                for (size_t c0 = 0; c0 < cn; c0 += 16 * PV_V) {
+                    switch (qn) {
+#define PV_CASE(N) case N: pv_pass(N, pb, vb, np, Oq, ldo, c0, cn); break;
+                    PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2) PV_CASE(1)
 #undef PV_CASE
-            default: break;
+                    default: break;
+                    }
+                }
             }
         }
     }
