@@ -104,10 +104,9 @@ ALWAYS_INLINE __m512 value_row(const int H, const void *V, size_t ldv, size_t k,
 }
 
 /* QN queries x 16 * PV_V columns from c0 (of the cn in vb) over np key
- * pairs: pb the queries' weight pairs (PV_PAIRS apart), vb the value
- * pairs (pair p's 16-column vector c at vb + p * PV_COLS + 16 * c... in
- * dwords). O is loaded and stored around the pass (exact), so the chain
- * continues. */
+ * pairs: pb holds each query's weight pairs (PV_PAIRS dwords a query), vb
+ * the value pairs (pair p, column c: dword p * PV_COLS + c). O is loaded
+ * and stored around the pass (exact), so the chain continues. */
 ALWAYS_INLINE void pv_pass(const int QN, const uint32_t *pb, const uint32_t *vb, size_t np, float *O, size_t ldo,
                            size_t c0, size_t cn) {
     __m512 o[PV_Q][PV_V];
