@@ -58,7 +58,7 @@ KERNEL_FAMILIES = {
     # fp32 activations; avx512bf16 and amx: the opt-in bf16 precision
     "gemm": ["ref", "avx2", "avx512", "avx512bf16", "amx"],
     "gemm_q8": ["ref", "avx2", "avx512", "avx512vnni", "amx"],  # integer weights x q8
-    "attn": ["ref", "avx2", "avx512"],
+    "attn": ["ref", "avx2", "avx512", "avx512bf16"],  # avx512bf16: bf16 prefill's prompt attention
     "convert": ["ref", "avx2", "avx512"],
     "act": ["ref", "avx2", "avx512"],
 }

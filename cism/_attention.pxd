@@ -137,18 +137,30 @@ cdef inline void window_softmax(const cism_kernels *K, float *row, size_t lo, si
 
 cdef inline void attend_tile(const cism_kernels *K, const KV *kv, size_t l, size_t kvh, const float *q,
                              float *out, size_t ld, size_t nq, size_t p0, size_t window,
-                             float *sc, int *bad) noexcept nogil:
+                             float *sc, int *bad, bint bf16=False) noexcept nogil:
     """One head's causal attention for a tile of nq queries at positions
     p0.. (q and out: nq rows ld floats apart), over KV head kvh of layer l:
     the tile for the positions every query sees, each query alone for the
     rest; where a sliding window cuts in, each query over its own positions
     (the tile's split gives each query these bits too, axpy_tile's chain
     being plain axpy's). sc: QTILE rows of at least p0 + nq scores; bad:
-    the flag a non-finite score sets (AttnWork.bad_score)."""
-    cdef size_t hd = kv.head_dim, span = p0 + nq, i, lo
+    the flag a non-finite score sets (AttnWork.bad_score). bf16 (no
+    window): the bf16 prefill's scores and sums (K.scores16_bf16 and
+    K.axpy_tile_bf16, not NULL), their key pairs cut the same for every
+    query whatever the tile: the tile up to the last even position all of
+    its queries see, each query alone from there."""
+    cdef size_t hd = kv.head_dim, span = p0 + nq, i, lo, e0
     cdef float scale = 1.0 / sqrtf(<float>hd)
-    kv_scores(K, kv, q, ld, nq, l, kvh, hd, sc, span, span, window_start(window, p0) // 16, (span + 15) // 16)
-    if window_start(window, span - 1) == 0:
+    bf16 = bf16 and window == 0
+    kv_scores(K, kv, q, ld, nq, l, kvh, hd, sc, span, span, window_start(window, p0) // 16, (span + 15) // 16,
+              bf16)
+    if bf16:
+        tile_softmax(K, sc, span, nq, p0, scale, out, ld, hd, bad)
+        e0 = (p0 + 1) & ~(<size_t>1)
+        kv_weighted(K, kv, sc, span, nq, l, kvh, 0, e0, 0, out, ld, hd, True)
+        for i in range(nq):
+            kv_weighted(K, kv, sc + i * span, span, 1, l, kvh, e0, p0 + i + 1, 0, out + i * ld, ld, hd, True)
+    elif window_start(window, span - 1) == 0:
         tile_softmax(K, sc, span, nq, p0, scale, out, ld, hd, bad)
         kv_weighted(K, kv, sc, span, nq, l, kvh, 0, p0 + 1, 0, out, ld, hd)
         for i in range(1, nq):
@@ -162,7 +174,7 @@ cdef inline void attend_tile(const cism_kernels *K, const KV *kv, size_t l, size
 
 cdef inline void attend_group(const cism_kernels *K, const KV *kv, size_t l, size_t kvh, const float *q,
                               float *out, size_t G, size_t p, size_t window, float *sc,
-                              int *bad) noexcept nogil:
+                              int *bad, bint bf16=False) noexcept nogil:
     """Attention of one lone query at position p for the G heads that share
     KV head kvh (q and out: the group's first head, heads head_dim apart),
     up to QTILE of them at a time as one tile of queries over the same keys
@@ -170,12 +182,14 @@ cdef inline void attend_group(const cism_kernels *K, const KV *kv, size_t l, siz
     axpy_tile each output the fma chain of plain axpy calls
     (csrc/kernels.h), so every head gets exactly attend_tile's arithmetic
     for it alone; the tile reads each key and value once for the heads and
-    gives the weighted sums several independent chains."""
+    gives the weighted sums several independent chains. bf16: as
+    attend_tile's (no window)."""
     cdef size_t hd = kv.head_dim, span = p + 1, t, h0, nh, j, lo = window_start(window, p)
+    bf16 = bf16 and window == 0
     for t in range((G + QTILE - 1) // QTILE):
         h0 = t * QTILE
         nh = min(<size_t>QTILE, G - h0)
-        kv_scores(K, kv, q + h0 * hd, hd, nh, l, kvh, hd, sc, span, span, lo // 16, (span + 15) // 16)
+        kv_scores(K, kv, q + h0 * hd, hd, nh, l, kvh, hd, sc, span, span, lo // 16, (span + 15) // 16, bf16)
         for j in range(nh):
             window_softmax(K, sc + j * span, lo, p, 1.0 / sqrtf(<float>hd), out + (h0 + j) * hd, hd, bad)
-        kv_weighted(K, kv, sc, span, nh, l, kvh, lo, span, 0, out + h0 * hd, hd, hd)
+        kv_weighted(K, kv, sc, span, nh, l, kvh, lo, span, 0, out + h0 * hd, hd, hd, bf16)

@@ -99,6 +99,10 @@ cdef extern from "kernels.h" nogil:
         cism_scores16_fn scores16
         cism_scores16_h_fn scores16_h
         cism_axpy_tile_h_fn axpy_tile_h
+        cism_scores16_fn scores16_bf16
+        cism_scores16_h_fn scores16_bf16_h
+        cism_axpy_tile_fn axpy_tile_bf16
+        cism_axpy_tile_h_fn axpy_tile_bf16_h
         cism_to_f16_fn to_f16
         cism_quant8_fn quant8
         cism_unary_fn exp
@@ -115,6 +119,7 @@ cdef extern from "kernels.h" nogil:
         const char *name_quant
         const char *name_act
         const char *name_gemm_bf16
+        const char *name_attn_bf16
 
     ctypedef struct cism_cpu:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx_vnni, amx_tile

@@ -111,6 +111,7 @@ def kernel_variants():
         "activation quantization": k.name_quant.decode(),
         "vector activations": k.name_act.decode(),
         "gemm (bf16, opt-in)": k.name_gemm_bf16.decode() if k.name_gemm_bf16 != NULL else "none",
+        "prompt attention (bf16, opt-in)": k.name_attn_bf16.decode() if k.name_attn_bf16 != NULL else "none",
     }
 
 
@@ -194,11 +195,19 @@ def axpy(float alpha, x, y):
     return out
 
 
-def axpy_tile(P, V, O):
+cdef const cism_kernels *bf16_attention() except NULL:
+    cdef const cism_kernels *k = cism_table()
+    if k.scores16_bf16 == NULL:
+        raise RuntimeError("no bf16 attention kernels at this ISA level (they need AVX512-BF16)")
+    return k
+
+
+def axpy_tile(P, V, O, bf16=False):
     """Return O + P @ V computed as attention does: for each query row q and
     key k in order, O[q] = fma(P[q, k], V[k], O[q]) element by element (the
     table's tiled kernel; bit-identical to the same axpy calls). A float16 V
-    goes to the binary16 kernel (axpy_tile_h: the values widened)."""
+    goes to the binary16 kernel (axpy_tile_h: the values widened). bf16:
+    the bf16 prefill's kernel (axpy_tile_bf16(_h), csrc/kernels.h)."""
     half = isinstance(V, np.ndarray) and V.dtype == np.float16
     cdef cnp.ndarray p = np.ascontiguousarray(P, dtype=np.float32)
     cdef cnp.ndarray v = np.ascontiguousarray(V, dtype=np.float16 if half else np.float32)
@@ -207,7 +216,16 @@ def axpy_tile(P, V, O):
         raise ValueError("P, V and O must be 2-D")
     if p.shape[1] != v.shape[0] or out.shape[0] != p.shape[0] or out.shape[1] != v.shape[1]:
         raise ValueError(f"shapes do not chain: P {np.shape(p)}, V {np.shape(v)}, O {np.shape(out)}")
-    if half:
+    cdef const cism_kernels *k = bf16_attention() if bf16 else cism_table()
+    if bf16 and half:
+        k.axpy_tile_bf16_h(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
+                           <const uint16_t*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
+                           <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
+    elif bf16:
+        k.axpy_tile_bf16(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
+                         <const float*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
+                         <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
+    elif half:
         cism_table().axpy_tile_h(<const float*>cnp.PyArray_DATA(p), p.shape[1], p.shape[0],
                                  <const uint16_t*>cnp.PyArray_DATA(v), v.shape[1], v.shape[0],
                                  <float*>cnp.PyArray_DATA(out), out.shape[1], out.shape[1])
@@ -218,12 +236,13 @@ def axpy_tile(P, V, O):
     return out
 
 
-def scores16(Q, Kt, nk=16):
+def scores16(Q, Kt, nk=16, bf16=False):
     """Attention scores of queries Q (nq, hd) against a key tile Kt (hd, 16):
     the table's kernel (keys in lanes), (nq, 16) canonical dots, each the
     bits of the fp32 gemm with key j = Kt[:, j] as a matrix row; columns
     from nk on stay zero (the kernel stores keys j < nk only). A float16 Kt
-    goes to the binary16 kernel (scores16_h: the keys widened)."""
+    goes to the binary16 kernel (scores16_h: the keys widened). bf16: the
+    bf16 prefill's kernel (scores16_bf16(_h), csrc/kernels.h)."""
     half = isinstance(Kt, np.ndarray) and Kt.dtype == np.float16
     cdef cnp.ndarray q = np.ascontiguousarray(Q, dtype=np.float32)
     cdef cnp.ndarray kt = np.ascontiguousarray(Kt, dtype=np.float16 if half else np.float32)
@@ -232,7 +251,16 @@ def scores16(Q, Kt, nk=16):
     if not 1 <= nk <= 16:
         raise ValueError(f"nk must be in [1, 16]: got {nk}")
     cdef cnp.ndarray out = np.zeros((q.shape[0], 16), np.float32)
-    if half:
+    cdef const cism_kernels *k = bf16_attention() if bf16 else cism_table()
+    if bf16 and half:
+        k.scores16_bf16_h(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
+                          <const uint16_t*>cnp.PyArray_DATA(kt), q.shape[1],
+                          <float*>cnp.PyArray_DATA(out), 16, nk)
+    elif bf16:
+        k.scores16_bf16(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
+                        <const float*>cnp.PyArray_DATA(kt), q.shape[1],
+                        <float*>cnp.PyArray_DATA(out), 16, nk)
+    elif half:
         cism_table().scores16_h(<const float*>cnp.PyArray_DATA(q), q.shape[1], q.shape[0],
                                 <const uint16_t*>cnp.PyArray_DATA(kt), q.shape[1],
                                 <float*>cnp.PyArray_DATA(out), 16, nk)

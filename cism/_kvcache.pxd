@@ -151,9 +151,10 @@ cdef inline void prefetch_lines(const char *p, size_t n, size_t stride, size_t r
 
 cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, size_t ldq, size_t nq,
                            size_t l, size_t kvh, size_t hd, float *sc, size_t lds, size_t span,
-                           size_t t0, size_t t1) noexcept nogil:
+                           size_t t0, size_t t1, bint bf16=False) noexcept nogil:
     """sc[i * lds + tau] = score of query i against KV head kvh's key at
-    position tau, for the key tiles t0..t1 - 1 (positions below span). In
+    position tau, for the key tiles t0..t1 - 1 (positions below span); bf16:
+    the bf16 prefill's scores (K.scores16_bf16, not NULL). In
     pages the next tile is fetched while this one is scored (pages are
     scattered: the hardware prefetcher does not follow the block table)."""
     cdef size_t t, nk
@@ -161,7 +162,11 @@ cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, 
         if kv.blocks != NULL and t + 1 < t1 and kv.blocks[t + 1] != kv.blocks[t] + 1:
             prefetch_lines(k_tile(kv, l, kvh, 16 * (t + 1)), hd * 16 * kv.esize, 0, 1)
         nk = min(span - 16 * t, <size_t>16)
-        if kv.esize == 2:
+        if bf16 and kv.esize == 2:
+            K.scores16_bf16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
+        elif bf16:
+            K.scores16_bf16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
+        elif kv.esize == 2:
             K.scores16_h(q, ldq, nq, <const uint16_t*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
         else:
             K.scores16(q, ldq, nq, <const float*>k_tile(kv, l, kvh, 16 * t), hd, sc + 16 * t, lds, nk)
@@ -169,11 +174,12 @@ cdef inline void kv_scores(const cism_kernels *K, const KV *kv, const float *q, 
 
 cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P, size_t ldp, size_t nq,
                              size_t l, size_t kvh, size_t start, size_t end, size_t c0, float *O, size_t ldo,
-                             size_t n) noexcept nogil:
+                             size_t n, bint bf16=False) noexcept nogil:
     """O[i] = fma(P[i * ldp + tau], value at position tau, O[i]) for the
     positions start..end - 1 in order, n elements from c0 of KV head kvh's
     values, by runs of consecutive cache rows: axpy_tile's chain (plain axpy
-    calls' bits)."""
+    calls' bits). bf16: K.axpy_tile_bf16's chain over key pairs instead
+    (start even: every run then starts even, pages being 16 positions)."""
     cdef size_t tau = start, run
     while tau < end:
         run = key_run(kv, tau, end)
@@ -181,7 +187,13 @@ cdef inline void kv_weighted(const cism_kernels *K, const KV *kv, const float *P
             # the next page's rows of these columns, while this page's are summed
             prefetch_lines(v_row(kv, l, kvh, tau + run) + c0 * kv.esize, n * kv.esize,
                            kv.head_dim * kv.esize, min(end - tau - run, <size_t>16))
-        if kv.esize == 2:
+        if bf16 and kv.esize == 2:
+            K.axpy_tile_bf16_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                               O, ldo, n)
+        elif bf16:
+            K.axpy_tile_bf16(P + tau, ldp, nq, <const float*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
+                             O, ldo, n)
+        elif kv.esize == 2:
             K.axpy_tile_h(P + tau, ldp, nq, <const uint16_t*>v_row(kv, l, kvh, tau) + c0, v_stride(kv), run,
                           O, ldo, n)
         else:

@@ -120,7 +120,10 @@ static void fill(int level) {
     if (level >= CISM_ISA_AVX512VNNI) cism_fill_gemm_q8_avx512vnni(&table);
 #ifdef CISM_HAVE_AMX
     /* bf16 without AMX (VDPBF16PS); the amx level's tile kernel replaces it */
-    if (level >= CISM_ISA_AVX512VNNI && cpu.avx512bf16) cism_fill_gemm_avx512bf16(&table);
+    if (level >= CISM_ISA_AVX512VNNI && cpu.avx512bf16) {
+        cism_fill_gemm_avx512bf16(&table);
+        cism_fill_attn_avx512bf16(&table);
+    }
 #endif
     if (level >= CISM_ISA_AMX && amx_emulator) amx_emulator(&table, cism_scratch_get, cism_scratch_put);
 #ifdef CISM_HAVE_AMX

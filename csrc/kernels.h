@@ -170,6 +170,18 @@ typedef struct cism_kernels {
     cism_scores16_fn scores16;
     cism_scores16_h_fn scores16_h;
     cism_axpy_tile_h_fn axpy_tile_h;
+    /* The bf16 prefill precision's prompt attention (attn/attn_avx512bf16.c):
+     * scores16 and axpy_tile's signatures, not their arithmetic. Inputs
+     * rounded to bf16 (nearest even); a score is, from +0, one VDPBF16PS
+     * step per element pair (2p, 2p+1) in order (an odd head size pads a
+     * zero); each output element, continued from O, one step per key pair
+     * (2m, 2m+1) in order, an odd nk's last key paired with a zero weight
+     * and value (callers start each call at an even position). NULL where
+     * the CPU has no AVX512-BF16 (prompt attention stays canonical). */
+    cism_scores16_fn scores16_bf16;
+    cism_scores16_h_fn scores16_bf16_h;
+    cism_axpy_tile_fn axpy_tile_bf16;
+    cism_axpy_tile_h_fn axpy_tile_bf16_h;
     cism_to_f16_fn to_f16;
     cism_quant8_fn quant8;
     cism_unary_fn exp, sigmoid, silu, gelu;
@@ -177,7 +189,7 @@ typedef struct cism_kernels {
     cism_softmax_fn softmax;
     cism_argmax_fn argmax;
     /* which variant fills each family, for show_runtime(): "ref", "avx2", ... */
-    const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act, *name_gemm_bf16;
+    const char *name_gemm, *name_gemm_q, *name_dot, *name_quant, *name_act, *name_gemm_bf16, *name_attn_bf16;
 } cism_kernels;
 
 /* CPU features found (CPUID and XGETBV both agree). */
@@ -225,7 +237,9 @@ int cism_emulate_amx(cism_amx_emulator fill);
  *            at avx512bf16 (VDPBF16PS, installed from the avx512vnni level
  *            where the CPU has AVX512-BF16; the amx level replaces it)
  *   gemm_q8  integer weights x q8 activations (gemm_*_q8)
- *   attn     dot, axpy, axpy_tile(_h), scores16(_h)
+ *   attn     dot, axpy, axpy_tile(_h), scores16(_h); at avx512bf16 (with
+ *            the bf16 gemm) the bf16 prefill's scores16_bf16(_h) and
+ *            axpy_tile_bf16(_h)
  *   convert  to_f16, quant8
  *   act      the vector activations, softmax, argmax */
 void cism_fill_gemm_ref(cism_kernels *k);
@@ -241,6 +255,7 @@ void cism_fill_gemm_q8_amx(cism_kernels *k);
 void cism_fill_attn_ref(cism_kernels *k);
 void cism_fill_attn_avx2(cism_kernels *k);
 void cism_fill_attn_avx512(cism_kernels *k);
+void cism_fill_attn_avx512bf16(cism_kernels *k);
 void cism_fill_convert_ref(cism_kernels *k);
 void cism_fill_convert_avx2(cism_kernels *k);
 void cism_fill_convert_avx512(cism_kernels *k);

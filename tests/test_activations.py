@@ -200,11 +200,13 @@ class _Table(ctypes.Structure):
                 ("gemm_int4_q8", _fp), ("gemm_fp4_q8", _fp), ("gemm_q4k_q8", _fp), ("gemm_q6k_q8", _fp),
                 ("gemm_bf16", _fp), ("pack_bf16", _fp),
                 ("dot", _fp), ("axpy", _fp), ("axpy_tile", _fp), ("scores16", _fp),
-                ("scores16_h", _fp), ("axpy_tile_h", _fp), ("to_f16", _fp), ("quant8", _fp)]
+                ("scores16_h", _fp), ("axpy_tile_h", _fp), ("scores16_bf16", _fp), ("scores16_bf16_h", _fp),
+                ("axpy_tile_bf16", _fp), ("axpy_tile_bf16_h", _fp), ("to_f16", _fp), ("quant8", _fp)]
     _fields_ += [(name, _fp) for name in FUNCS]
     _fields_ += [("softmax", _fp), ("argmax", _fp)]
     _fields_ += [(name, ctypes.c_char_p) for name in
-                 ("name_gemm", "name_gemm_q", "name_dot", "name_quant", "name_act", "name_gemm_bf16")]
+                 ("name_gemm", "name_gemm_q", "name_dot", "name_quant", "name_act", "name_gemm_bf16",
+                  "name_attn_bf16")]
 
 
 def _table():

@@ -195,6 +195,68 @@ def test_matrix_bf16_refused_where_unavailable():
         _kernels.set_isa(before)
 
 
+# ------------------------------------------------- prompt attention ---
+
+def pair_chain(A, B, acc):
+    """VDPBF16PS's definition along the middle axis of A (m, K) @ B (K, n):
+    acc += A[:, 2p+1] B[2p+1] then acc += A[:, 2p] B[2p], each rounded to
+    fp32, for the pairs p in order, inputs rounded to bf16, an odd K padded
+    with a zero."""
+    K = A.shape[1]
+    Ab = np.zeros((A.shape[0], K + K % 2), np.float32)
+    Ab[:, :K] = bf16(A)
+    Bb = np.zeros((K + K % 2, B.shape[1]), np.float32)
+    Bb[:K] = bf16(B)
+    acc = np.array(acc, np.float32)
+    with np.errstate(all="ignore"):
+        for k in range(0, K, 2):
+            acc += np.outer(Ab[:, k + 1], Bb[k + 1])
+            acc += np.outer(Ab[:, k], Bb[k])
+    return acc
+
+
+@pytest.fixture
+def bf16_attention(isa_level):
+    if not _kernels.cpu_features()["avx512_bf16"]:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    isa_level("avx512vnni")
+    assert _kernels.kernel_variants()["prompt attention (bf16, opt-in)"] == "avx512bf16"
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("hd,nq", [(64, 16), (64, 3), (17, 1), (128, 20), (200, 5)])
+def test_bf16_attention_kernels_are_the_instruction_definition(hd, nq, half, bf16_attention):
+    """The bf16 prefill's scores (keys in lanes) and weighted sums (key
+    pairs in order, continued through O; an odd count's last key paired
+    with zeros), bit for bit the instruction's definition; a sum split at
+    an even key is the same chain."""
+    rng = np.random.default_rng(hd * nq + half)
+    Q = rng.standard_normal((nq, hd)).astype(np.float32)
+    Kt = rng.standard_normal((hd, 16)).astype(np.float32)
+    if half:
+        Kt = Kt.astype(np.float16)
+    for nk in (16, 5):
+        got = _kernels.scores16(Q, Kt, nk, bf16=True)
+        want = pair_chain(Q, Kt.astype(np.float32), np.zeros((nq, 16)))
+        want[:, nk:] = 0
+        assert np.array_equal(got, want), nk
+    for nk in (1, 2, 37, 150):
+        P = rng.random((nq, nk)).astype(np.float32)
+        V = rng.standard_normal((nk, hd)).astype(np.float16 if half else np.float32)
+        O = rng.standard_normal((nq, hd)).astype(np.float32)
+        got = _kernels.axpy_tile(P, V, O, bf16=True)
+        assert np.array_equal(got, pair_chain(P, V.astype(np.float32), O)), nk
+        cut = nk // 4 * 2
+        part = _kernels.axpy_tile(P[:, :cut], V[:cut], O, bf16=True)
+        assert np.array_equal(_kernels.axpy_tile(P[:, cut:], V[cut:], part, bf16=True), got), nk
+
+
+def test_bf16_attention_refused_where_unavailable(isa_level):
+    isa_level("avx512")
+    with pytest.raises(RuntimeError, match="no bf16 attention kernels"):
+        _kernels.scores16(np.zeros((1, 16)), np.zeros((16, 16)), bf16=True)
+
+
 # ------------------------------------------------------------ models ---
 
 def bf16_model(model_type="llama", precision="fp32", threads=2, seed=0, **kw):
@@ -245,9 +307,10 @@ def test_prefill_bf16_close_to_exact(precision, bf16_unit):
     assert np.array_equal(fast.logits(prompt), a) and fast.compile_key == exact.compile_key
 
 
-def test_prefill_bf16_same_bits_however_the_prompt_runs(bf16_unit):
-    model = bf16_model("llama", seed=7)
-    one = bf16_model("llama", seed=7, threads=1)
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_prefill_bf16_same_bits_however_the_prompt_runs(kv, bf16_unit):
+    model = bf16_model("llama", seed=7, kv_precision=kv)
+    one = bf16_model("llama", seed=7, threads=1, kv_precision=kv)
     rng = np.random.default_rng(8)
     prompt = list(rng.integers(0, 97, 300))  # past one 256-token prefill chunk
     last = model.logits(prompt)
