@@ -746,6 +746,18 @@ ALWAYS_INLINE void gemm_kq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     }
 }
 
+/* Q8_DOT4 against the dword at p in every lane. The including file may
+ * name a form that reads it straight from memory (vpdpbusd's embedded
+ * broadcast), which GCC does not emit for Q8_DOT4(set1) by itself. */
+#ifndef Q8_DOT4_BCAST
+ALWAYS_INLINE __m512i dot4_bcast(__m512i acc, __m512i a, const int8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return Q8_DOT4(acc, a, _mm512_set1_epi32(x));
+}
+#define Q8_DOT4_BCAST dot4_bcast
+#endif
+
 /* The tokens-in-lanes kernels (these K-quant ones, q8_vnni.h's) from
  * TQ_MIN_TOKENS tokens on, TQ_PASS groups of 16 tokens per pass over the
  * rows. */
@@ -910,15 +922,12 @@ ALWAYS_INLINE void kq_tq_tile(const int S, const int R, const int G, const int8_
             for (int k = 0; k < 8; k++) {
                 __m512i av[2];
                 for (int g = 0; g < G; g++) av[g] = _mm512_load_si512((const void *)(Bg + g * gstride + 128 * x + 16 * k));
-                for (int i = 0; i < R; i++) {
-                    int32_t wd;
-                    memcpy(&wd, w[i] + 32 * x + 4 * k, 4);
-                    const __m512i wv = _mm512_set1_epi32(wd);
+                for (int i = 0; i < R; i++)
                     for (int g = 0; g < G; g++) {
-                        if (S == CISM_Q6K && k >= 4) hi[i][g] = Q8_DOT4(hi[i][g], av[g], wv);
-                        else lo[i][g] = Q8_DOT4(lo[i][g], av[g], wv);
+                        const int8_t *wd = w[i] + 32 * x + 4 * k;
+                        if (S == CISM_Q6K && k >= 4) hi[i][g] = Q8_DOT4_BCAST(hi[i][g], av[g], wd);
+                        else lo[i][g] = Q8_DOT4_BCAST(lo[i][g], av[g], wd);
                     }
-                }
             }
             __m512 as[2], am[2];
             for (int g = 0; g < G; g++) {

@@ -13,6 +13,15 @@
 /* u8 x s8 four-element lane sums added to acc. */
 ALWAYS_INLINE __m512i dot4_vnni(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
 
+/* dot4_vnni against the dword at p, broadcast from memory by vpdpbusd
+ * itself (no separate vpbroadcastd per product). */
+typedef int32_t __attribute__((may_alias)) cism_i32_alias;
+ALWAYS_INLINE __m512i dot4_bcast_vnni(__m512i acc, __m512i a, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const cism_i32_alias *)p));
+    return acc;
+}
+#define Q8_DOT4_BCAST dot4_bcast_vnni
+
 /* int8 x q8 unit sums (see i8_sums_signs): vpdpbusd multiplies unsigned by
  * signed bytes, so the weights go in as w + 128 (w ^ 0x80) and each sum
  * starts from -128 * (the activations' group sum): it ends at exactly
