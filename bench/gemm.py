@@ -8,6 +8,9 @@ else the VNNI kernels).
 
 Shapes are SmolLM2's and Qwen3-0.6B's projections, random weights. The bf16
 column is absent where the CPU has no AMX-BF16 (cism.matrix.bf16_available).
+The GGUF K-quant storages (--storages q4_k q6_k) take random super-blocks
+(unit-range fp16 scales) and only the shapes whose width is a multiple of
+256 (Qwen3's).
 """
 import argparse
 import json
@@ -19,6 +22,15 @@ from cism.matrix import Matrix, bf16_available
 
 SHAPES = [(576, 1536, "SmolLM2 down"), (1536, 576, "SmolLM2 gate/up"),
           (2048, 1024, "Qwen3 q"), (1024, 3072, "Qwen3 down")]
+
+
+def kquant_matrix(rng, storage, r, c):
+    """Random Q4_K / Q6_K super-blocks (scales d, dmin in 1/16..2) as a Matrix."""
+    size, fields = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}[storage]
+    raw = rng.integers(0, 256, (r * c // 256, size), dtype=np.uint8)
+    for at in fields:
+        raw[:, at:at + 2] = rng.integers(0x2c00, 0x3fff, (len(raw), 1), dtype=np.uint16).view(np.uint8)
+    return Matrix.from_ggml(storage.upper(), raw.reshape(r, -1), r, c)
 
 
 def gflops(m, X, threads, repeats):
@@ -38,16 +50,20 @@ def main(argv=None):
     bf16 = bf16_available()
     rows = []
     for storage in args.storages:
+        kquant = storage in ("q4_k", "q6_k")
         for r, c, name in SHAPES:
-            m = Matrix(rng.standard_normal((r, c)).astype(np.float32), storage)
+            if kquant and c % 256:
+                continue
+            m = (kquant_matrix(rng, storage, r, c) if kquant
+                 else Matrix(rng.standard_normal((r, c)).astype(np.float32), storage))
             X = rng.standard_normal((args.tokens, c)).astype(np.float32)
             exact = gflops(m, X, args.threads, args.repeats)
             q8 = None
-            if storage in ("int8", "int4", "fp4"):
+            if storage in ("int8", "int4", "fp4", "q4_k", "q6_k"):
                 m.act_precision = "int8"
                 q8 = gflops(m, X, args.threads, args.repeats)
             fast = None
-            if bf16:
+            if bf16 and not kquant:  # (K-quants keep the canonical kernels)
                 m.act_precision = "bf16"
                 fast = gflops(m, X, args.threads, args.repeats)
             rows.append({"storage": storage, "rows": r, "cols": c, "shape": name,

@@ -12,7 +12,8 @@
  * the including file names before it includes this header, each from the
  * instructions its own flags allow:
  *   Q8_DOT4(acc, w, a)    acc + the u8 x s8 four-element sums of w and a
- *                         (|w| <= 24 here): maddubs + madd, or vpdpbusd
+ *                         (every pair sum within int16 where it is used):
+ *                         maddubs + madd, or vpdpbusd
  *   Q8_I8_SUMS(R, TT, rows, A, t, u, v)
  *                         v[i * TT + j] = the four-element sums of int8 row
  *                         i's unit u and token t + j's q8 unit u
@@ -28,6 +29,7 @@
 #define CISM_Q8_AVX512_H
 
 #include "simd_avx512.h"
+#include "scratch.h"
 
 #if !defined(Q8_DOT4) || !defined(Q8_I8_SUMS) || !defined(Q8_INT4_NIBBLES) || !defined(Q8_NIB_HI) || \
     !defined(Q8_LUT16)
@@ -744,10 +746,303 @@ ALWAYS_INLINE void gemm_kq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     }
 }
 
+/* Q8_DOT4 against the dword at p in every lane. The including file may
+ * name a form that reads it straight from memory (vpdpbusd's embedded
+ * broadcast), which GCC does not emit for Q8_DOT4(set1) by itself. */
+#ifndef Q8_DOT4_BCAST
+ALWAYS_INLINE __m512i dot4_bcast(__m512i acc, __m512i a, const int8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return Q8_DOT4(acc, a, _mm512_set1_epi32(x));
+}
+#define Q8_DOT4_BCAST dot4_bcast
+#endif
+
+/* The tokens-in-lanes kernels (these K-quant ones, q8_vnni.h's) from
+ * TQ_MIN_TOKENS tokens on, TQ_PASS groups of 16 tokens per pass over the
+ * rows. */
+#define TQ_MIN_TOKENS 8
+#define TQ_PASS 8
+
+/* acc[m] lane n = the result of row r + m, token t0 + n: stored as token
+ * rows (one masked 16-row store per token, rows r..r+rn-1, tokens
+ * t0..t0+tn-1), through a 16 x 16 transpose. */
+ALWAYS_INLINE void store_rows16(const __m512 acc[16], size_t rn, size_t tn, float *Y, size_t ldy, size_t t0,
+                                size_t r) {
+    __m512i in[16], out[16];
+    for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
+    transpose16(in, out); /* out[n]: token n's 16 rows */
+    const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
+    for (size_t n = 0; n < tn; n++) _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
+}
+
+/* ---- ggml K-quants x q8, several tokens: tokens in lanes ----
+ *
+ * From TQ_MIN_TOKENS tokens on, as for the other integer storages: the
+ * token groups' q8 activations are transposed once per call (a + 128 as
+ * unsigned bytes), each row's codes unpacked once per pass to signed bytes
+ * (q4_k: q; q6_k: code - 32), and every weight dword broadcast to Q8_DOT4
+ * against 16 tokens' dwords (vpdpbusd; on the avx512 level maddubs + madd,
+ * exact here: a + 128 <= 255 times |w| <= 32 keeps a pair within 16320), so a lane ends a block (q6_k: a 16-element
+ * group) holding one (row, token) integer sum plus 128 times the weights'
+ * own sum, which is taken off (it is computed once per row). The canonical
+ * lanes (kernels.h) become one vector per (row, sub-block j), 16 tokens
+ * wide: lane j's chain over the super-blocks, in order, for j = 0..7 one
+ * after the other, then the tree as vertical adds.
+ * Both sides are stored lane-major (block 8 sb + j at position j * nsb +
+ * sb), so a lane's chain reads memory in order rather than at a 4 KiB
+ * stride that meets in few L1 sets; a tile is 4 rows x 2 token groups:
+ * eight independent Q8_DOT4 chains, each weight broadcast serving 32
+ * tokens, each row's scales 2 groups (4 rows x 1 group, one chain per row,
+ * ran at half the int4 kernel's rate). The integers go to float by exact
+ * float products (kernels.h's bounds: every factor and product below
+ * 2^24): (float)(sc * isum) = (float)isum * sc, (float)(m * asum) = asum *
+ * m, and q6_k's sc_lo * isum_lo + sc_hi * isum_hi is one fma of two such
+ * products; q4_k's asum are the activations' block sums, made once per
+ * call. */
+
+/* What a (row, sub-block j, super-block sb) contributes besides its codes:
+ * q4_k corr[0] = -128 x the sub-block's code sum, sc = {sc_j, m_j};
+ * q6_k corr = -128 x the two groups' sums of code - 32, sc = their int8
+ * scales. */
+typedef struct {
+    int32_t corr[2];
+    float sc[2];
+} kq_meta;
+
+/* A row's scratch: codes at wb (lane-major, 32 bytes per (j, sb)); at
+ * meta, 8 nsb kq_meta (lane-major), then per super-block {d, -dmin}
+ * (q4_k; -dmin * as = -(dmin * as), the reference's product negated) or
+ * {d, 0} (q6_k). */
+ALWAYS_INLINE size_t kq_meta_bytes(size_t nsb) { return 8 * nsb * sizeof(kq_meta) + 2 * nsb * sizeof(float); }
+
+ALWAYS_INLINE void kq_unpack_row(const int S, const uint8_t *row, size_t nsb, int8_t *wb, kq_meta *meta) {
+    const __m512i zero = _mm512_setzero_si512();
+    float *dd = (float *)(meta + 8 * nsb);
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * kq_block_bytes(S);
+        __m512i q[4]; /* element order: sub-blocks (runs) 2k and 2k + 1 */
+        if (S == CISM_Q4K) {
+            /* sub-blocks 2k, 2k + 1: the low and high nibbles of qs[32k ...] */
+            const __m512i m4 = _mm512_set1_epi8(15);
+            for (int k = 0; k < 4; k++) {
+                const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + CISM_Q4_K_QS + 32 * k)));
+                q[k] = _mm512_inserti64x4(_mm512_and_si512(x, m4),
+                                          _mm512_castsi512_si256(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4)), 1);
+            }
+        } else {
+            for (int k = 0; k < 4; k++) q[k] = q6k_codes64(blk, k);
+        }
+        /* code sums per 8 bytes (vpsadbw): sub-block j is sums[4j .. 4j + 3] */
+        __attribute__((aligned(64))) int64_t sums[32];
+        for (int k = 0; k < 4; k++) {
+            _mm512_store_si512((void *)(sums + 8 * k), _mm512_sad_epu8(q[k], zero));
+            const __m512i v = S == CISM_Q4K ? q[k] : _mm512_sub_epi8(q[k], _mm512_set1_epi8(32));
+            _mm256_storeu_si256((__m256i *)(wb + 32 * (2 * k * nsb + sb)), _mm512_castsi512_si256(v));
+            _mm256_storeu_si256((__m256i *)(wb + 32 * ((2 * k + 1) * nsb + sb)), _mm512_extracti64x4_epi64(v, 1));
+        }
+        if (S == CISM_Q4K) {
+            uint8_t sm[16];
+            _mm_storeu_si128((__m128i *)sm, q4k_scale_bytes(blk + CISM_Q4_K_SCALES));
+            for (int j = 0; j < 8; j++) {
+                kq_meta *mt = meta + j * nsb + sb;
+                mt->corr[0] = -128 * (int32_t)(sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3]);
+                mt->corr[1] = 0;
+                mt->sc[0] = (float)sm[j];
+                mt->sc[1] = (float)sm[8 + j];
+            }
+            int32_t d2;
+            memcpy(&d2, blk + CISM_Q4_K_D, 4);
+            _mm_storel_pi((__m64 *)(dd + 2 * sb), _mm_xor_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)), _mm_setr_ps(0.0f, -0.0f, 0.0f, 0.0f)));
+        } else {
+            for (int j = 0; j < 8; j++) {
+                kq_meta *mt = meta + j * nsb + sb;
+                for (int h = 0; h < 2; h++) {
+                    mt->corr[h] = -128 * ((int32_t)(sums[4 * j + 2 * h] + sums[4 * j + 2 * h + 1]) - 32 * 16);
+                    mt->sc[h] = (float)(int8_t)blk[CISM_Q6_K_SCALES + 2 * j + h];
+                }
+            }
+            uint16_t h;
+            memcpy(&h, blk + CISM_Q6_K_D, 2);
+            dd[2 * sb] = _cvtsh_ss(h);
+            dd[2 * sb + 1] = 0.0f;
+        }
+    }
+}
+
+/* Tokens t..t+tn-1 (tn <= 16; missing ones zero) of a K-quant product,
+ * lane-major: block b = 8 sb + j at x = j * nsb + sb holds its 8 dwords'
+ * rows (16 tokens each, a + 128) at B + 128 x, its scales at Sg + 16 x and
+ * (q4_k) its sums at Ag + 16 x, as floats. */
+ALWAYS_INLINE void kq_pack_group(const int S, const cism_act *A, size_t t, size_t tn, size_t nsb, int32_t *B,
+                                 float *Sg, float *Ag) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    for (size_t u = 0; u < 4 * nsb; u++) {
+        __m512i in[16], out[16];
+        for (size_t n = 0; n < 16; n++)
+            in[n] = n < tn ? _mm512_loadu_si512((const void *)(A->q8 + (t + n) * A->ldq + 64 * u))
+                           : _mm512_setzero_si512();
+        transpose16(in, out); /* out[k] = dword k of the unit, all tokens */
+        for (size_t h = 0; h < 2; h++) {
+            const size_t b = 2 * u + h, x = (b % 8) * nsb + b / 8;
+            __m512i s = _mm512_set1_epi32(-128 * 32); /* sum(a + 128) - 128 * 32 */
+            for (int k = 0; k < 8; k++) {
+                const __m512i v = _mm512_xor_si512(out[8 * h + k], bias);
+                _mm512_store_si512((void *)(B + 128 * x + 16 * k), v);
+                if (S == CISM_Q4K) s = Q8_DOT4(s, v, ones);
+            }
+            if (S == CISM_Q4K) _mm512_store_ps(Ag + 16 * x, _mm512_cvtepi32_ps(s));
+            for (size_t n = 0; n < 16; n++) Sg[16 * x + n] = n < tn ? A->qscale[(t + n) * A->ldqs + b] : 0.0f;
+        }
+    }
+}
+
+/* R rows (codes w[i], scratch m[i]) x G groups of 16 tokens (at Bg, Sg,
+ * Ag, group g a stride of gstride int32s or sstride floats on): out[i][g]
+ * lane n = the dot of row i and token 16 g + n. */
+ALWAYS_INLINE void kq_tq_tile(const int S, const int R, const int G, const int8_t *const *w,
+                              const kq_meta *const *m, size_t nsb, const int32_t *Bg, size_t gstride,
+                              const float *Sg, const float *Ag, size_t sstride, __m512 out[4][2]) {
+    __m512 lane[8][4][2];
+    for (int j = 0; j < 8; j++) {
+        __m512 acc[4][2];
+        for (int i = 0; i < R; i++)
+            for (int g = 0; g < G; g++) acc[i][g] = _mm512_setzero_ps();
+        for (size_t sb = 0; sb < nsb; sb++) {
+            const size_t x = j * nsb + sb;
+            __m512i lo[4][2], hi[4][2]; /* q6_k: the run's two groups; q4_k: lo only */
+            for (int i = 0; i < R; i++) {
+                const __m512i c0 = _mm512_set1_epi32(m[i][x].corr[0]);
+                const __m512i c1 = _mm512_set1_epi32(m[i][x].corr[1]);
+                for (int g = 0; g < G; g++) {
+                    lo[i][g] = c0;
+                    hi[i][g] = c1;
+                }
+            }
+            for (int k = 0; k < 8; k++) {
+                __m512i av[2];
+                for (int g = 0; g < G; g++) av[g] = _mm512_load_si512((const void *)(Bg + g * gstride + 128 * x + 16 * k));
+                for (int i = 0; i < R; i++)
+                    for (int g = 0; g < G; g++) {
+                        const int8_t *wd = w[i] + 32 * x + 4 * k;
+                        if (S == CISM_Q6K && k >= 4) hi[i][g] = Q8_DOT4_BCAST(hi[i][g], av[g], wd);
+                        else lo[i][g] = Q8_DOT4_BCAST(lo[i][g], av[g], wd);
+                    }
+            }
+            __m512 as[2], am[2];
+            for (int g = 0; g < G; g++) {
+                as[g] = _mm512_load_ps(Sg + g * sstride + 16 * x);
+                if (S == CISM_Q4K) am[g] = _mm512_load_ps(Ag + g * sstride + 16 * x);
+            }
+            for (int i = 0; i < R; i++) {
+                const kq_meta *mt = m[i] + x;
+                const float *dd = (const float *)(m[i] + 8 * nsb) + 2 * sb;
+                const __m512 d = _mm512_set1_ps(dd[0]), sc0 = _mm512_set1_ps(mt->sc[0]), sc1 = _mm512_set1_ps(mt->sc[1]);
+                for (int g = 0; g < G; g++) {
+                    if (S == CISM_Q4K) {
+                        /* sc * isum, then m * asum against -(dmin * ascale) */
+                        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[i][g]), sc0);
+                        acc[i][g] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, as[g]), acc[i][g]);
+                        acc[i][g] = _mm512_fmadd_ps(_mm512_mul_ps(am[g], sc1),
+                                                    _mm512_mul_ps(_mm512_set1_ps(dd[1]), as[g]), acc[i][g]);
+                    } else {
+                        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i][g]), sc1,
+                                                         _mm512_mul_ps(_mm512_cvtepi32_ps(lo[i][g]), sc0));
+                        acc[i][g] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, as[g]), acc[i][g]);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < R; i++)
+            for (int g = 0; g < G; g++) lane[j][i][g] = acc[i][g];
+    }
+    /* cism_reduce8, lane by lane */
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < G; g++) {
+            __m512 l[8];
+            for (int j = 0; j < 8; j++) l[j] = lane[j][i][g];
+            out[i][g] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                                      _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+        }
+}
+
+ALWAYS_INLINE void gemm_kq8_tq_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
+                                   size_t T, float *Y, size_t ldy) {
+    const size_t nsb = W->cols / CISM_QK_K, nx = 8 * nsb;
+    const size_t groups = cism_div_up(T, 16);
+    const size_t gstride = 128 * nx, sstride = 16 * nx; /* int32s, floats per token group */
+    const size_t b_bytes = groups * gstride * 4, s_bytes = groups * sstride * 4;
+    const size_t a_bytes = S == CISM_Q4K ? s_bytes : 0;
+    const size_t w_bytes = 16 * W->cols, mrow = cism_div_up(kq_meta_bytes(nsb), 64) * 64;
+    if (r1 <= r0) return;
+    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + a_bytes + w_bytes + 16 * mrow);
+    if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
+        gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sc = (float *)(mem + b_bytes);
+    float *As = (float *)(mem + b_bytes + s_bytes);
+    int8_t *wb = (int8_t *)(mem + b_bytes + s_bytes + a_bytes);
+    uint8_t *meta = mem + b_bytes + s_bytes + a_bytes + w_bytes;
+    for (size_t g = 0; g < groups; g++) {
+        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
+        kq_pack_group(S, A, 16 * g, tn, nsb, B + g * gstride, Sc + g * sstride, As + g * sstride);
+    }
+    for (size_t g0 = 0; g0 < groups; g0 += TQ_PASS)
+    for (size_t r = r0; r < r1; r += 16) {
+        const size_t g1 = groups - g0 < TQ_PASS ? groups : g0 + TQ_PASS;
+        const size_t rn = r1 - r < 16 ? r1 - r : 16;
+        const int8_t *w[16];
+        const kq_meta *mt[16];
+        for (size_t i = 0; i < rn; i++) {
+            kq_unpack_row(S, (const uint8_t *)W->codes + (r + i) * W->row_bytes, nsb, wb + i * W->cols,
+                          (kq_meta *)(meta + i * mrow));
+            w[i] = wb + i * W->cols;
+            mt[i] = (const kq_meta *)(meta + i * mrow);
+        }
+        for (size_t g = g0; g < g1; g += 2) {
+            const size_t G = g1 - g < 2 ? g1 - g : 2;
+            const int32_t *Bg = B + g * gstride;
+            const float *Sg = Sc + g * sstride, *Ag = As + g * sstride;
+            /* the 16 rows' results, row-major per group, then written
+             * transposed (store_rows16) */
+            __attribute__((aligned(64))) float buf[2][16][16];
+            for (size_t i0 = 0; i0 < rn; i0 += 4) {
+                const size_t R = rn - i0 < 4 ? rn - i0 : 4;
+                __m512 acc[4][2];
+                for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(); /* (for the compiler) */
+#define KQ_CASE(RR, GG) kq_tq_tile(S, RR, GG, w + i0, mt + i0, nsb, Bg, gstride, Sg, Ag, sstride, acc)
+                switch (4 * (G - 1) + R - 1) {
+                case 0: KQ_CASE(1, 1); break;
+                case 1: KQ_CASE(2, 1); break;
+                case 2: KQ_CASE(3, 1); break;
+                case 3: KQ_CASE(4, 1); break;
+                case 4: KQ_CASE(1, 2); break;
+                case 5: KQ_CASE(2, 2); break;
+                case 6: KQ_CASE(3, 2); break;
+                default: KQ_CASE(4, 2); break;
+                }
+#undef KQ_CASE
+                for (size_t i = 0; i < R; i++)
+                    for (size_t q = 0; q < G; q++) _mm512_store_ps(buf[q][i0 + i], acc[i][q]);
+            }
+            for (size_t q = 0; q < G; q++) {
+                __m512 rowsv[16];
+                for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
+                const size_t t0 = 16 * (g + q);
+                store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
+            }
+        }
+    }
+    cism_scratch_put(mem);
+}
+
 #define GEMM_KQ8(NAME, S)                                                                        \
     static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
                      float *Y, size_t ldy) {                                                     \
-        gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);                                          \
+        if (T >= TQ_MIN_TOKENS) gemm_kq8_tq_tpl(S, W, r0, r1, A, T, Y, ldy);                     \
+        else gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);                                        \
     }
 
 #endif

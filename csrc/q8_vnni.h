@@ -13,6 +13,15 @@
 /* u8 x s8 four-element lane sums added to acc. */
 ALWAYS_INLINE __m512i dot4_vnni(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
 
+/* dot4_vnni against the dword at p, broadcast from memory by vpdpbusd
+ * itself (no separate vpbroadcastd per product). */
+typedef int32_t __attribute__((may_alias)) cism_i32_alias;
+ALWAYS_INLINE __m512i dot4_bcast_vnni(__m512i acc, __m512i a, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const cism_i32_alias *)p));
+    return acc;
+}
+#define Q8_DOT4_BCAST dot4_bcast_vnni
+
 /* int8 x q8 unit sums (see i8_sums_signs): vpdpbusd multiplies unsigned by
  * signed bytes, so the weights go in as w + 128 (w ^ 0x80) and each sum
  * starts from -128 * (the activations' group sum): it ends at exactly
@@ -47,21 +56,8 @@ ALWAYS_INLINE void i8_sums_vnni(const int R, const int TT, const uint8_t *const 
  * lane = token, as on the tile unit: acc = fma((float)s_b, c_b, acc). The
  * same bits as the reference, without the per-dot reductions and scale
  * gathers of the dots-in-lanes tiles (kept below TQ_MIN_TOKENS, where 16
- * token lanes would go mostly unused). */
-#define TQ_MIN_TOKENS 8
-#define TQ_PASS 8 /* token groups of 16 per pass over the rows */
-
-/* acc[m] lane n = the result of row r + m, token t0 + n: stored as token
- * rows (one masked 16-row store per token, rows r..r+rn-1, tokens
- * t0..t0+tn-1), through a 16 x 16 transpose. */
-ALWAYS_INLINE void store_rows16(const __m512 acc[16], size_t rn, size_t tn, float *Y, size_t ldy, size_t t0,
-                                size_t r) {
-    __m512i in[16], out[16];
-    for (int m = 0; m < 16; m++) in[m] = _mm512_castps_si512(acc[m]);
-    transpose16(in, out); /* out[n]: token n's 16 rows */
-    const __mmask16 mask = rn >= 16 ? 0xffff : (__mmask16)((1u << rn) - 1);
-    for (size_t n = 0; n < tn; n++) _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
-}
+ * token lanes would go mostly unused). TQ_MIN_TOKENS, TQ_PASS and
+ * store_rows16 are q8_avx512.h's (the K-quants share them). */
 
 /* Tokens t..t+tn-1 (tn <= 16, missing ones zero) transposed: unit u at
  * B + 256 u (int32s), its row k holding dword k of the unit for each token
@@ -282,196 +278,6 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
                      float *Y, size_t ldy) {                                                     \
         if (T >= TQ_MIN_TOKENS) gemm_tq8_tpl(S, W, r0, r1, A, T, Y, ldy);                        \
         else gemm_q_tpl(S, W, r0, r1, A, T, Y, ldy);                                          \
-    }
-
-/* ---- ggml K-quants x q8 with VNNI, several tokens: tokens in lanes ----
- *
- * From TQ_MIN_TOKENS tokens on, as for the other integer storages: the
- * token groups' q8 activations are transposed once per call (pack_q8_group,
- * a + 128 as unsigned bytes), each row's codes unpacked once per pass to
- * signed bytes in element order (q4_k: q; q6_k: code - 32), and every
- * weight dword broadcast to vpdpbusd against 16 tokens' dwords, so a lane
- * ends a block (q6_k: a 16-element group) holding one (row, token) integer
- * sum plus 128 times the weights' own sum, which is taken off (it is
- * computed once per row). The canonical lanes (kernels.h) become one
- * vector per (row, sub-block j), 16 tokens wide: lane j's chain over the
- * super-blocks, in order, for j = 0..7 one after the other, then the tree
- * as vertical adds. q4_k's min term takes the activations' block sums,
- * made once per call from the packed bytes (their sum less 128 * 32). */
-
-/* A row's super-blocks unpacked for the token lanes: codes at wb (element
- * order, cols bytes); per super-block s, at meta + 48 s (int32s): 16
- * corrections (q4_k: 128 x the sub-block code sums, then 8 unused; q6_k:
- * 128 x the group sums of code - 32), 16 scales (q4_k: sc, then m; q6_k
- * the int8 scales), d and (q4_k) -dmin as float bits, and 14 unused. */
-#define KQ_META 48
-ALWAYS_INLINE void kq_unpack_row(const int S, const uint8_t *row, size_t nsb, int8_t *wb, int32_t *meta) {
-    const __m512i zero = _mm512_setzero_si512();
-    for (size_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *blk = row + sb * kq_block_bytes(S);
-        int32_t *mt = meta + KQ_META * sb;
-        __m512i q[4];
-        if (S == CISM_Q4K) {
-            /* sub-blocks 2k, 2k + 1: the low and high nibbles of qs[32k ...] */
-            const __m512i m4 = _mm512_set1_epi8(15);
-            for (int k = 0; k < 4; k++) {
-                const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + CISM_Q4_K_QS + 32 * k)));
-                q[k] = _mm512_inserti64x4(_mm512_and_si512(x, m4),
-                                          _mm512_castsi512_si256(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4)), 1);
-            }
-        } else {
-            for (int k = 0; k < 4; k++) q[k] = q6k_codes64(blk, k);
-        }
-        /* code sums per 8 bytes (vpsadbw), then per sub-block or group */
-        __attribute__((aligned(64))) int64_t sums[32];
-        for (int k = 0; k < 4; k++) _mm512_store_si512((void *)(sums + 8 * k), _mm512_sad_epu8(q[k], zero));
-        for (int k = 0; k < 4; k++) {
-            const __m512i v = S == CISM_Q4K ? q[k] : _mm512_sub_epi8(q[k], _mm512_set1_epi8(32));
-            _mm512_storeu_si512((void *)(wb + CISM_QK_K * sb + 64 * k), v);
-        }
-        if (S == CISM_Q4K) {
-            for (int j = 0; j < 8; j++)
-                mt[j] = 128 * (int32_t)(sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3]);
-            _mm512_storeu_si512((void *)(mt + 16), _mm512_cvtepu8_epi32(q4k_scale_bytes(blk + CISM_Q4_K_SCALES)));
-            int32_t dd;
-            memcpy(&dd, blk + CISM_Q4_K_D, 4);
-            /* d and -dmin (dmin * -as = -(dmin * as): the reference's product, negated) */
-            _mm_storel_pi((__m64 *)(mt + 32), _mm_xor_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dd)), _mm_setr_ps(0.0f, -0.0f, 0.0f, 0.0f)));
-        } else {
-            for (int g = 0; g < 16; g++) mt[g] = 128 * ((int32_t)(sums[2 * g] + sums[2 * g + 1]) - 32 * 16);
-            _mm512_storeu_si512((void *)(mt + 16),
-                                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + CISM_Q6_K_SCALES))));
-            uint16_t h;
-            memcpy(&h, blk + CISM_Q6_K_D, 2);
-            const float d = _cvtsh_ss(h);
-            memcpy(mt + 32, &d, 4);
-        }
-    }
-}
-
-/* R rows (codes w[i], meta m[i]) x one group of 16 tokens (B: packed
- * activations, Sg: block scales, As: q4_k's activation block sums):
- * out[i] lane n = the dot of row i and token n. */
-ALWAYS_INLINE void kq_tq_tile(const int S, const int R, const int8_t *const *w, const int32_t *const *m,
-                              size_t nsb, const int32_t *B, const float *Sg, const int32_t *As, __m512 out[4]) {
-    __m512 lane[4][8];
-    for (int j = 0; j < 8; j++) {
-        __m512 acc[4];
-        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
-        for (size_t sb = 0; sb < nsb; sb++) {
-            const size_t b = 8 * sb + j; /* the activation block: dwords 8b .. 8b + 7 */
-            __m512i bv[8];
-            for (int k = 0; k < 8; k++) bv[k] = _mm512_load_si512((const void *)(B + 16 * (8 * b + k)));
-            const __m512 as = _mm512_load_ps(Sg + 16 * b);
-            for (int i = 0; i < R; i++) {
-                const int32_t *mt = m[i] + KQ_META * sb;
-                const int32_t *wd = (const int32_t *)(w[i] + 32 * b);
-                float d;
-                memcpy(&d, mt + 32, 4);
-                if (S == CISM_Q4K) {
-                    __m512i s0 = _mm512_set1_epi32(-mt[j]);
-                    for (int k = 0; k < 8; k++) s0 = _mm512_dpbusd_epi32(s0, bv[k], _mm512_set1_epi32(wd[k]));
-                    float ndmin;
-                    memcpy(&ndmin, mt + 33, 4);
-                    const __m512 f = _mm512_cvtepi32_ps(_mm512_mullo_epi32(s0, _mm512_set1_epi32(mt[16 + j])));
-                    const __m512 g = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_load_si512((const void *)(As + 16 * b)),
-                                                                           _mm512_set1_epi32(mt[24 + j])));
-                    acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(d), as), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(g, _mm512_mul_ps(_mm512_set1_ps(ndmin), as), acc[i]);
-                } else {
-                    __m512i s0 = _mm512_set1_epi32(-mt[2 * j]), s1 = _mm512_set1_epi32(-mt[2 * j + 1]);
-                    for (int k = 0; k < 4; k++) {
-                        s0 = _mm512_dpbusd_epi32(s0, bv[k], _mm512_set1_epi32(wd[k]));
-                        s1 = _mm512_dpbusd_epi32(s1, bv[4 + k], _mm512_set1_epi32(wd[4 + k]));
-                    }
-                    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s0, _mm512_set1_epi32(mt[16 + 2 * j])),
-                                                          _mm512_mullo_epi32(s1, _mm512_set1_epi32(mt[17 + 2 * j])));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(d), as), acc[i]);
-                }
-            }
-        }
-        for (int i = 0; i < R; i++) lane[i][j] = acc[i];
-    }
-    /* cism_reduce8, lane by lane */
-    for (int i = 0; i < R; i++) {
-        const __m512 *l = lane[i];
-        out[i] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
-                               _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
-    }
-}
-
-ALWAYS_INLINE void gemm_kq8_tq_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A,
-                                   size_t T, float *Y, size_t ldy) {
-    const size_t units = W->cols / 64, blocks = W->cols / 32, nsb = W->cols / CISM_QK_K;
-    const size_t groups = cism_div_up(T, 16);
-    const size_t b_bytes = groups * units * 1024, s_bytes = groups * units * 128;
-    const size_t a_bytes = S == CISM_Q4K ? groups * blocks * 64 : 0;
-    const size_t w_bytes = 16 * W->cols, m_bytes = 16 * nsb * KQ_META * sizeof(int32_t);
-    if (r1 <= r0) return;
-    uint8_t *mem = cism_scratch_get(b_bytes + s_bytes + a_bytes + w_bytes + m_bytes);
-    if (!mem) { /* the dots-in-lanes tiles need no scratch and give the same bits */
-        gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);
-        return;
-    }
-    int32_t *B = (int32_t *)mem;
-    float *Sc = (float *)(mem + b_bytes);
-    int32_t *As = (int32_t *)(mem + b_bytes + s_bytes);
-    int8_t *wb = (int8_t *)(mem + b_bytes + s_bytes + a_bytes);
-    int32_t *meta = (int32_t *)(mem + b_bytes + s_bytes + a_bytes + w_bytes);
-    for (size_t g = 0; g < groups; g++) {
-        const size_t tn = T - 16 * g < 16 ? T - 16 * g : 16;
-        int32_t *Bg = B + g * units * 256;
-        pack_q8_group(A, 16 * g, tn, units, Bg, Sc + g * units * 32, 1);
-        if (S == CISM_Q4K) /* block sums: sum(a + 128) - 128 * 32 */
-            for (size_t b = 0; b < blocks; b++) {
-                __m512i v = _mm512_set1_epi32(-128 * 32);
-                for (int k = 0; k < 8; k++)
-                    v = _mm512_dpbusd_epi32(v, _mm512_load_si512((const void *)(Bg + 16 * (8 * b + k))), _mm512_set1_epi8(1));
-                _mm512_store_si512((void *)(As + g * blocks * 16 + 16 * b), v);
-            }
-    }
-    for (size_t g0 = 0; g0 < groups; g0 += TQ_PASS)
-    for (size_t r = r0; r < r1; r += 16) {
-        const size_t g1 = groups - g0 < TQ_PASS ? groups : g0 + TQ_PASS;
-        const size_t rn = r1 - r < 16 ? r1 - r : 16;
-        const int8_t *w[16];
-        const int32_t *mt[16];
-        for (size_t i = 0; i < rn; i++) {
-            kq_unpack_row(S, (const uint8_t *)W->codes + (r + i) * W->row_bytes, nsb, wb + i * W->cols,
-                          meta + i * nsb * KQ_META);
-            w[i] = wb + i * W->cols;
-            mt[i] = meta + i * nsb * KQ_META;
-        }
-        for (size_t g = g0; g < g1; g++) {
-            const int32_t *Bg = B + g * units * 256;
-            const float *Sg = Sc + g * units * 32;
-            const int32_t *Ag = As + (S == CISM_Q4K ? g * blocks * 16 : 0);
-            __m512 rowsv[16];
-            for (size_t i0 = 0; i0 < 16; i0 += 4) {
-                if (i0 >= rn) {
-                    for (size_t i = 0; i < 4; i++) rowsv[i0 + i] = _mm512_setzero_ps();
-                    continue;
-                }
-                switch (rn - i0 < 4 ? rn - i0 : 4) {
-                case 1: kq_tq_tile(S, 1, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
-                case 2: kq_tq_tile(S, 2, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
-                case 3: kq_tq_tile(S, 3, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
-                default: kq_tq_tile(S, 4, w + i0, mt + i0, nsb, Bg, Sg, Ag, rowsv + i0); break;
-                }
-                for (size_t i = rn - i0; i < 4; i++) rowsv[i0 + i] = _mm512_setzero_ps();
-            }
-            const size_t t0 = 16 * g;
-            store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
-        }
-    }
-    cism_scratch_put(mem);
-}
-
-#define GEMM_KQ8_VNNI(NAME, S)                                                                   \
-    static void NAME(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,       \
-                     float *Y, size_t ldy) {                                                     \
-        if (T >= TQ_MIN_TOKENS) gemm_kq8_tq_tpl(S, W, r0, r1, A, T, Y, ldy);                     \
-        else gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);                                        \
     }
 
 #endif

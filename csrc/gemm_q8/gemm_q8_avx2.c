@@ -810,13 +810,206 @@ ALWAYS_INLINE void gemm_kq8_tpl(const int S, const cism_mat *W, size_t r0, size_
     }
 }
 
+/* ---- K-quants x q8, several tokens: tokens in lanes ----
+ *
+ * From TQ_MIN_TOKENS tokens on, the AVX-512 kernel's scheme (q8_avx512.h)
+ * in 8-token ymms: each group of 8 tokens' activations transposed once
+ * (one ymm holds dword k of a block for the 8 tokens) and stored lane-major
+ * (block 8 sb + j at j * nsb + sb, so a lane's chain over the super-blocks
+ * reads memory in order); each tile's rows unpacked once per pass to their
+ * unsigned codes (q4_k 0..15, q6_k 0..63), lane-major too. A broadcast
+ * weight dword goes to maddubs as the unsigned operand against the tokens'
+ * signed activations, and the pair sums add up in int16 before one madd:
+ * q4_k over a whole block (8 dwords, at most 8 * 2 * 15 * 128 = 30720),
+ * q6_k over two dwords (2 * 2 * 63 * 128 = 32256), its 16-element group
+ * sums then less 32 x the activations' group sums (taken once per token
+ * at packing). The float steps are the AVX-512 kernel's exact products, so
+ * every lane's chain is the reference's. */
+#define KQ_TQ_ROWS 4
+
+/* Tokens t..t+tn-1 (tn <= 8, missing ones zero): block b = 8 sb + j at
+ * x = j * nsb + sb holds its 8 dword rows at B + 64 x, its scales at
+ * Sa + 8 x; q4_k its activation sums (floats) at As + 8 x, q6_k 32 x its
+ * two groups' sums (int32) at As + 16 x and + 8. */
+static void kq_pack_group8(const int S, const cism_act *A, size_t t, size_t tn, size_t nsb, int32_t *B,
+                           float *Sa, int32_t *As) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    for (size_t b = 0; b < 8 * nsb; b++) {
+        const size_t x = (b % 8) * nsb + b / 8;
+        __m256 in[8], out[8];
+        for (size_t n = 0; n < 8; n++)
+            in[n] = n < tn ? _mm256_loadu_ps((const float *)(A->q8 + (t + n) * A->ldq + 32 * b))
+                           : _mm256_setzero_ps();
+        transpose8(in, out);
+        __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int k = 0; k < 8; k++) {
+            const __m256i a = _mm256_castps_si256(out[k]);
+            _mm256_store_si256((__m256i *)(B + 64 * x + 8 * k), a);
+            h[k / 4] = _mm256_add_epi16(h[k / 4], _mm256_maddubs_epi16(ones8, a)); /* |8 a| <= 1024 */
+        }
+        const __m256i s0 = _mm256_madd_epi16(h[0], ones), s1 = _mm256_madd_epi16(h[1], ones);
+        if (S == CISM_Q4K) {
+            _mm256_store_ps((float *)As + 8 * x, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)));
+        } else {
+            _mm256_store_si256((__m256i *)(As + 16 * x), _mm256_slli_epi32(s0, 5));
+            _mm256_store_si256((__m256i *)(As + 16 * x + 8), _mm256_slli_epi32(s1, 5));
+        }
+        for (size_t n = 0; n < 8; n++) Sa[8 * x + n] = n < tn ? A->qscale[(t + n) * A->ldqs + b] : 0.0f;
+    }
+}
+
+/* A row's codes, lane-major (32 bytes per (j, sb)) at wb; at sc, per
+ * (j, sb) the two float scales (q4_k sc_j and m_j, q6_k the run's two int8
+ * scales), then per super-block {d, -dmin} (q4_k) or {d, 0} (q6_k). */
+static void kq_unpack_row8(const int S, const uint8_t *row, size_t nsb, uint8_t *wb, float *sc) {
+    float *dd = sc + 16 * nsb;
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * kq_block_bytes(S);
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(wb + 32 * (j * nsb + sb)), kq_codes32(S, blk, j));
+        if (S == CISM_Q4K) {
+            uint8_t sm[16];
+            _mm_storeu_si128((__m128i *)sm, q4k_scale_bytes(blk + CISM_Q4_K_SCALES));
+            for (int j = 0; j < 8; j++) {
+                sc[2 * (j * nsb + sb)] = (float)sm[j];
+                sc[2 * (j * nsb + sb) + 1] = (float)sm[8 + j];
+            }
+            dd[2 * sb] = cism_ggml_half(blk + CISM_Q4_K_D);
+            dd[2 * sb + 1] = -cism_ggml_half(blk + CISM_Q4_K_DMIN);
+        } else {
+            for (int j = 0; j < 8; j++)
+                for (int h = 0; h < 2; h++) sc[2 * (j * nsb + sb) + h] = (float)(int8_t)blk[CISM_Q6_K_SCALES + 2 * j + h];
+            dd[2 * sb] = cism_ggml_half(blk + CISM_Q6_K_D);
+            dd[2 * sb + 1] = 0.0f;
+        }
+    }
+}
+
+/* R rows (codes w[i], scales c[i]) x one group of 8 tokens: out[i] lane n
+ * = the dot of row i and token n. */
+ALWAYS_INLINE void kq_tq_tile8(const int S, const int R, const uint8_t *const *w, const float *const *c, size_t nsb,
+                               const int32_t *B, const float *Sa, const int32_t *As, __m256 out[KQ_TQ_ROWS]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 lane[8][KQ_TQ_ROWS];
+    for (int j = 0; j < 8; j++) {
+        __m256 acc[KQ_TQ_ROWS];
+        for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+        for (size_t sb = 0; sb < nsb; sb++) {
+            const size_t x = j * nsb + sb;
+            const __m256 as = _mm256_load_ps(Sa + 8 * x);
+            __m256 f[KQ_TQ_ROWS];
+            /* q4_k: one int16 sum over the block; q6_k: two per group */
+            for (int part = 0; part < (S == CISM_Q4K ? 1 : 2); part++) {
+                __m256i s[KQ_TQ_ROWS];
+                for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+                for (int k2 = 0; k2 < (S == CISM_Q4K ? 8 : 4); k2 += (S == CISM_Q4K ? 8 : 2)) {
+                    __m256i p[KQ_TQ_ROWS];
+                    for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
+                    for (int k = k2; k < k2 + (S == CISM_Q4K ? 8 : 2); k++) {
+                        const int kk = S == CISM_Q4K ? k : 4 * part + k;
+                        const __m256i av = _mm256_load_si256((const __m256i *)(B + 64 * x + 8 * kk));
+                        for (int i = 0; i < R; i++) {
+                            int32_t wd;
+                            memcpy(&wd, w[i] + 32 * x + 4 * kk, 4);
+                            p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(_mm256_set1_epi32(wd), av));
+                        }
+                        /* (one chain per register; see tq_tile) */
+                        for (int i = 0; i < R; i++) __asm__("" : "+x"(p[i]));
+                    }
+                    for (int i = 0; i < R; i++) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+                }
+                for (int i = 0; i < R; i++) {
+                    const float *cs = c[i] + 2 * x;
+                    if (S == CISM_Q4K) {
+                        f[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i]), _mm256_set1_ps(cs[0]));
+                    } else {
+                        const __m256i g = _mm256_sub_epi32(s[i], _mm256_load_si256((const __m256i *)(As + 16 * x + 8 * part)));
+                        f[i] = part == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(g), _mm256_set1_ps(cs[0]))
+                                         : _mm256_fmadd_ps(_mm256_cvtepi32_ps(g), _mm256_set1_ps(cs[1]), f[i]);
+                    }
+                }
+            }
+            for (int i = 0; i < R; i++) {
+                const float *dd = c[i] + 16 * nsb + 2 * sb;
+                acc[i] = _mm256_fmadd_ps(f[i], _mm256_mul_ps(_mm256_set1_ps(dd[0]), as), acc[i]);
+                if (S == CISM_Q4K)
+                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps((const float *)As + 8 * x),
+                                                           _mm256_set1_ps(c[i][2 * x + 1])),
+                                             _mm256_mul_ps(_mm256_set1_ps(dd[1]), as), acc[i]);
+            }
+        }
+        for (int i = 0; i < R; i++) lane[j][i] = acc[i];
+    }
+    for (int i = 0; i < R; i++)
+        out[i] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0][i], lane[4][i]), _mm256_add_ps(lane[2][i], lane[6][i])),
+                               _mm256_add_ps(_mm256_add_ps(lane[1][i], lane[5][i]), _mm256_add_ps(lane[3][i], lane[7][i])));
+}
+
+ALWAYS_INLINE void gemm_kq8_tq_tpl(const int S, const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
+                                   float *Y, size_t ldy) {
+    const size_t nsb = W->cols / CISM_QK_K, nx = 8 * nsb;
+    const size_t groups = cism_div_up(T, 8), pass = groups < TQ_PASS ? groups : TQ_PASS;
+    const size_t b_bytes = pass * nx * 256, sa_bytes = pass * nx * 32, as_bytes = pass * nx * 64;
+    const size_t w_bytes = KQ_TQ_ROWS * W->cols, c_bytes = KQ_TQ_ROWS * 18 * nsb * sizeof(float);
+    if (r1 <= r0) return;
+    uint8_t *mem = cism_scratch_get(b_bytes + sa_bytes + as_bytes + w_bytes + c_bytes);
+    if (!mem) { /* the dots-in-lanes rows need no scratch and give the same bits */
+        gemm_kq8_tpl(S, W, r0, r1, A, T, Y, ldy);
+        return;
+    }
+    int32_t *B = (int32_t *)mem;
+    float *Sa = (float *)(mem + b_bytes);
+    int32_t *As = (int32_t *)(mem + b_bytes + sa_bytes);
+    uint8_t *wb = mem + b_bytes + sa_bytes + as_bytes;
+    float *cw = (float *)(mem + b_bytes + sa_bytes + as_bytes + w_bytes);
+    for (size_t g0 = 0; g0 < groups; g0 += pass) {
+        const size_t g1 = groups - g0 < pass ? groups : g0 + pass;
+        for (size_t g = g0; g < g1; g++) {
+            const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8, q = g - g0;
+            kq_pack_group8(S, A, 8 * g, tn, nsb, B + q * nx * 64, Sa + q * nx * 8, As + q * nx * 16);
+        }
+        for (size_t r = r0; r < r1; r += KQ_TQ_ROWS) {
+            const size_t rn = r1 - r < KQ_TQ_ROWS ? r1 - r : KQ_TQ_ROWS;
+            const uint8_t *w[KQ_TQ_ROWS];
+            const float *c[KQ_TQ_ROWS];
+            for (size_t i = 0; i < rn; i++) {
+                w[i] = wb + i * W->cols;
+                c[i] = cw + i * 18 * nsb;
+                kq_unpack_row8(S, (const uint8_t *)W->codes + (r + i) * W->row_bytes, nsb, wb + i * W->cols,
+                               cw + i * 18 * nsb);
+            }
+            for (size_t g = g0; g < g1; g++) {
+                const size_t q = g - g0;
+                const int32_t *Bg = B + q * nx * 64, *Ag = As + q * nx * 16;
+                const float *Sg = Sa + q * nx * 8;
+                __m256 acc[8];
+                switch (rn) {
+                case 1: kq_tq_tile8(S, 1, w, c, nsb, Bg, Sg, Ag, acc); break;
+                case 2: kq_tq_tile8(S, 2, w, c, nsb, Bg, Sg, Ag, acc); break;
+                case 3: kq_tq_tile8(S, 3, w, c, nsb, Bg, Sg, Ag, acc); break;
+                default: kq_tq_tile8(S, 4, w, c, nsb, Bg, Sg, Ag, acc); break;
+                }
+                /* acc[i] lane n = row r + i, token 8g + n: token rows through a transpose */
+                __m256 out[8];
+                for (size_t i = rn; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                transpose8(acc, out);
+                const __m256i mask = lane_mask((long)rn);
+                const size_t tn = T - 8 * g < 8 ? T - 8 * g : 8;
+                for (size_t n = 0; n < tn; n++) _mm256_maskstore_ps(Y + (8 * g + n) * ldy + r, mask, out[n]);
+            }
+        }
+    }
+    cism_scratch_put(mem);
+}
+
 static void gemm_q4k_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
                              size_t ldy) {
-    gemm_kq8_tpl(CISM_Q4K, W, r0, r1, A, T, Y, ldy);
+    if (T >= TQ_MIN_TOKENS) gemm_kq8_tq_tpl(CISM_Q4K, W, r0, r1, A, T, Y, ldy);
+    else gemm_kq8_tpl(CISM_Q4K, W, r0, r1, A, T, Y, ldy);
 }
 static void gemm_q6k_q8_avx2(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T, float *Y,
                              size_t ldy) {
-    gemm_kq8_tpl(CISM_Q6K, W, r0, r1, A, T, Y, ldy);
+    if (T >= TQ_MIN_TOKENS) gemm_kq8_tq_tpl(CISM_Q6K, W, r0, r1, A, T, Y, ldy);
+    else gemm_kq8_tpl(CISM_Q6K, W, r0, r1, A, T, Y, ldy);
 }
 
 void cism_fill_gemm_q8_avx2(cism_kernels *k) {

@@ -1,9 +1,11 @@
 /* AVX-512 (F/BW/VL/DQ): integer weights x q8 activations with dots in
- * lanes (the template in q8_avx512.h), the byte sums by maddubs + madd. */
+ * lanes (the template in q8_avx512.h), the K-quants with tokens in lanes
+ * from TQ_MIN_TOKENS on, the byte sums by maddubs + madd. */
 #include "simd_avx512.h"
 
-/* u8 x s8 four-element lane sums added to acc (exact here: the unsigned
- * operand is at most 24, so no pair sum nears int16's limit). */
+/* u8 x s8 four-element lane sums added to acc (exact where it is used:
+ * the dots-in-lanes unsigned operand is at most 24, and the K-quant tokens
+ * in lanes (a + 128) times |w| <= 32 stays within int16 by a pair). */
 ALWAYS_INLINE __m512i dot4_maddubs(__m512i acc, __m512i w, __m512i a) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
 }

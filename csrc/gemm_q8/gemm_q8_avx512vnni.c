@@ -11,8 +11,8 @@
 GEMM_Q_VNNI(gemm_int8_q8_avx512vnni, CISM_INT8)
 GEMM_Q_VNNI(gemm_int4_q8_avx512vnni, CISM_INT4)
 GEMM_Q_VNNI(gemm_fp4_q8_avx512vnni, CISM_FP4)
-GEMM_KQ8_VNNI(gemm_q4k_q8_avx512vnni, CISM_Q4K)
-GEMM_KQ8_VNNI(gemm_q6k_q8_avx512vnni, CISM_Q6K)
+GEMM_KQ8(gemm_q4k_q8_avx512vnni, CISM_Q4K)
+GEMM_KQ8(gemm_q6k_q8_avx512vnni, CISM_Q6K)
 
 void cism_fill_gemm_q8_avx512vnni(cism_kernels *k) {
     fill_e4m3_half();

@@ -85,8 +85,8 @@ static void gemm_fp4_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_
  * the activations, asum the activations' own sum. SIMD decode keeps a
  * dot's 8 lanes in one ymm: the scales of a super-block unpack straight
  * into those lanes, so nothing is transposed, and a lane's chain advances
- * once per 256 elements (the VNNI prefill kernel keeps a vector per lane,
- * 16 tokens wide). */
+ * once per 256 elements (the AVX-512 prefill kernel keeps a vector per
+ * lane, 16 tokens wide). */
 static void gemm_q4k_q8_ref(const cism_mat *W, size_t r0, size_t r1, const cism_act *A, size_t T,
                             float *Y, size_t ldy) {
     const size_t sblocks = W->cols / CISM_QK_K;
