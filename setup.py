@@ -174,6 +174,8 @@ EXTENSIONS = [
     extension("cism._surjo_session", ["cism/_surjo_session.pyx"]),
     extension("cism._prefix", ["cism/_prefix.pyx"]),
     extension("cism._requests", ["cism/_requests.pyx"]),
+    extension("cism._scheduler", ["cism/_scheduler.pyx"]),
+    extension("cism._engine_step", ["cism/_engine_step.pyx"]),
     extension("cism._engine", ["cism/_engine.pyx"]),
     extension("cism._batch", ["cism/_batch.pyx"]),
 ]
