@@ -156,6 +156,8 @@ def extension(name, sources, extra_cflags=()):
 
 EXTENSIONS = [
     extension("cism._kernels", ["cism/_kernels.pyx"]),
+    extension("cism._bandwidth", ["cism/_bandwidth.pyx"]),
+    extension("cism.loaders._ggml_decode", ["cism/loaders/_ggml_decode.pyx"]),
     # -fno-trapping-math lets the packing loops (csrc/pack.c) turn their float
     # compares into vector selects; values are unchanged, only FP exception
     # flags (which nothing reads) may differ.
