@@ -156,6 +156,8 @@ def extension(name, sources, extra_cflags=()):
 
 EXTENSIONS = [
     extension("cism._kernels", ["cism/_kernels.pyx"]),
+    extension("cism._bandwidth", ["cism/_bandwidth.pyx"]),
+    extension("cism.loaders._ggml_decode", ["cism/loaders/_ggml_decode.pyx"]),
     # -fno-trapping-math lets the packing loops (csrc/pack.c) turn their float
     # compares into vector selects; values are unchanged, only FP exception
     # flags (which nothing reads) may differ.
@@ -174,6 +176,8 @@ EXTENSIONS = [
     extension("cism._surjo_session", ["cism/_surjo_session.pyx"]),
     extension("cism._prefix", ["cism/_prefix.pyx"]),
     extension("cism._requests", ["cism/_requests.pyx"]),
+    extension("cism._scheduler", ["cism/_scheduler.pyx"]),
+    extension("cism._engine_step", ["cism/_engine_step.pyx"]),
     extension("cism._engine", ["cism/_engine.pyx"]),
     extension("cism._batch", ["cism/_batch.pyx"]),
 ]

@@ -1,6 +1,9 @@
-"""Helpers for the bench scripts."""
+"""Helpers for the bench scripts (tests/test_lm_eval.py shares the cloze task)."""
 import importlib.util
+import json
 import os
+import random
+import re
 import statistics
 import time
 
@@ -93,3 +96,53 @@ def shape_gguf_header(writer, shape, tokenizer_src, dst):
     names = {f"blk.{i}.{g}.weight" for i in range(c.layers) for g in _LAYER_NAMES} | set(_GLOBAL_NAMES)
     shapes = weight_shapes(c, not c.tied)
     return c, [(n, shapes[hf_name(dst, n)]) for n in sorted(names) if hf_name(dst, n) in shapes]
+
+
+# ------------------------------------------------ lm-eval cloze tasks ---
+
+def cloze_sentences(data):
+    """Pride and Prejudice's sentences (from the shared data folder `data`)
+    of 30-160 characters that end in a lower-case word and a full stop."""
+    with open(os.path.join(data, "corpora", "pride_and_prejudice.txt"), encoding="utf-8") as f:
+        text = re.sub(r"\s+", " ", f.read())
+    return [s for s in re.findall(r"[A-Z][^.!?\"]{30,160}[.]", text) if re.search(r" [a-z]+\.$", s)]
+
+
+def cloze_docs(sentences, choices, pool=None, seed=0):
+    """A last-word cloze question per sentence: its context, and its last
+    word among choices - 1 other last words of the sentences in `pool`
+    (default: `sentences`), shuffled; `label` is the word's index."""
+    last = [s.rsplit(" ", 1)[1][:-1] for s in sentences]
+    words = sorted(set(s.rsplit(" ", 1)[1][:-1] for s in (sentences if pool is None else pool)))
+    rng = random.Random(seed)
+    out = []
+    for s, word in zip(sentences, last):
+        opts = [word] + rng.sample([w for w in words if w != word], choices - 1)
+        rng.shuffle(opts)
+        out.append({"context": s.rsplit(" ", 1)[0], "choices": [" " + c for c in opts],
+                    "label": opts.index(word)})
+    return out
+
+
+def write_choice_task(directory, name, docs):
+    """A local lm-eval multiple-choice task `name` over docs (context,
+    choices, label) in `directory`: name.jsonl and name.yaml (include_path)."""
+    data = os.path.join(str(directory), name + ".jsonl")
+    with open(data, "w") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")
+    with open(os.path.join(str(directory), name + ".yaml"), "w") as f:
+        f.write(f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""")

@@ -74,7 +74,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import cism
-    from cism import _kernels
+    from cism import _bandwidth
     from cism.bench import roofline_bandwidth
     src = args.model or default_model()
     if src is None:
@@ -108,7 +108,7 @@ def main(argv=None):
             kv_bytes = int(2 * c.layers * positions * c.kv_heads * c.head_dim * esize)
             total = weights + kv_bytes
             # the weights' own read rate for their share, a read of the cache's size for the rest
-            cache_bw = _kernels.read_bandwidth(max(kv_bytes, 1 << 20), threads=args.threads, repeats=args.repeats)
+            cache_bw = _bandwidth.read_bandwidth(max(kv_bytes, 1 << 20), threads=args.threads, repeats=args.repeats)
             seconds = weights / weights_bw + kv_bytes / cache_bw
             rows.append({"context": ctx, "kv_precision": kv, "decode": rate, "bytes_per_token": total,
                          "kv_bytes_per_token": kv_bytes, "roofline": 1 / seconds,

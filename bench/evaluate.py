@@ -18,8 +18,6 @@ backends' choices and loglikelihoods are compared too.
 import argparse
 import json
 import os
-import random
-import re
 import statistics
 import sys
 import tempfile
@@ -32,49 +30,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 import cism  # noqa: E402
-from bench_common import default_model, shared_data  # noqa: E402
+from bench_common import (cloze_docs, cloze_sentences, default_model, shared_data,  # noqa: E402
+                          write_choice_task)
 
 
 def cloze_questions(data, n, choices, seed=0):
-    """n last-word cloze sentences from Pride and Prejudice, each with its
-    word and choices - 1 other sentences' last words, shuffled."""
-    text = open(os.path.join(data, "corpora", "pride_and_prejudice.txt"), encoding="utf-8").read()
-    text = re.sub(r"\s+", " ", text)
-    every = [s for s in re.findall(r"[A-Z][^.!?\"]{30,160}[.]", text) if re.search(r" [a-z]+\.$", s)]
-    pool = sorted(set(s.rsplit(" ", 1)[1][:-1] for s in every))
-    sents = every[::max(1, len(every) // n)][:n]
-    last = [s.rsplit(" ", 1)[1][:-1] for s in sents]
-    rng = random.Random(seed)
-    out = []
-    for s, word in zip(sents, last):
-        opts = [word] + rng.sample([w for w in pool if w != word], choices - 1)
-        rng.shuffle(opts)
-        out.append({"context": s.rsplit(" ", 1)[0], "choices": [" " + c for c in opts],
-                    "label": opts.index(word)})
-    return out
+    """n last-word cloze questions spread over Pride and Prejudice, each
+    with its word and choices - 1 other sentences' last words, shuffled."""
+    every = cloze_sentences(data)
+    return cloze_docs(every[::max(1, len(every) // n)][:n], choices, pool=every, seed=seed)
 
 
 def task_requests(directory, name, questions):
     """The lm-eval Instances of a local multiple-choice task over questions."""
     from lm_eval.tasks import TaskManager
-    with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
-        for q in questions:
-            f.write(json.dumps(q) + "\n")
-    with open(os.path.join(directory, f"{name}.yaml"), "w") as f:
-        f.write(f"""task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(directory, name + ".jsonl")}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-target_delimiter: ""
-metric_list:
-  - metric: acc
-""")
+    write_choice_task(directory, name, questions)
     task = TaskManager(include_path=directory, include_defaults=False).load([name])["tasks"][name]
     task.build_all_requests(rank=0, world_size=1)
     return task.instances

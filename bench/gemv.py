@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from bench_common import median_seconds
-from cism import _kernels
+from cism import _bandwidth, _kernels
 from cism.matrix import Matrix
 
 STORAGES = ["fp32", "fp16", "int8", "int4", "fp4", "q4_k", "q6_k"]
@@ -53,7 +53,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((args.rows, args.cols), dtype=np.float32)
     x = rng.standard_normal(args.cols, dtype=np.float32)
-    bandwidth = {t: _kernels.read_bandwidth(1 << 31, threads=t, repeats=args.repeats) for t in args.threads}
+    bandwidth = {t: _bandwidth.read_bandwidth(1 << 31, threads=t, repeats=args.repeats) for t in args.threads}
     rows = []
     for storage in args.storages:
         m = random_ggml(storage, args.rows, args.cols, rng) if storage in GGML else Matrix(W, storage)

@@ -208,7 +208,7 @@ def main(argv=None):
         if llamacpp_tool("llama-bench") is None:
             sys.exit("neither llama-bench nor llama-cpp-python found; see docs/PERFORMANCE.md")
     import cism
-    from cism import _kernels
+    from cism import _bandwidth
     from cism.bench import (decode_rate, prefill_bf16_rate, prefill_rate, read_bandwidth,
                             roofline_bandwidth)
     src = args.model or default_model()
@@ -251,7 +251,7 @@ def main(argv=None):
         l_dec, l_pre = max(l1[0], l2[0]), max(l1[1], l2[1])  # llama.cpp's better run
         cbytes = model.weight_bytes
         c_bw = roofline_bandwidth(model, args.repeats)   # each roofline: a read of its own size
-        l_bw = _kernels.read_bandwidth(lbytes, threads=args.threads, repeats=args.repeats)
+        l_bw = _bandwidth.read_bandwidth(lbytes, threads=args.threads, repeats=args.repeats)
         rows.append({"format": qtype, "precision": precision,
                      "storages": sorted({f"{src_t}->{st}" for src_t, st in model.storage_report().values()}),
                      "llama_bytes": lbytes, "cism_bytes": cbytes,

@@ -22,7 +22,7 @@ from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memset
 
 from cism._kernels cimport cism_kernels, cism_mat, kernel_table
-from cism._weights cimport WeightStore
+from cism._weights cimport ModelBase, WeightStore
 from cism._session cimport DecodeSession, MAX_K
 from cism._step cimport Stepper, StepBatch, StepRun
 from cism._kvcache cimport (KV, kv_alloc, kv_array, kv_block_bytes, kv_cache_bytes, kv_free, kv_paged,
@@ -64,17 +64,10 @@ cdef struct Layer:
 
 
 cdef struct ModelC:
-    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
-    float eps
+    ModelBase base             # sizes, embedding, head, final norm, rope, threads (cism/_weights.pxd)
     bint qwen3
     size_t window              # a query attends to its last `window` positions (0: all of them)
     Layer *layer
-    cism_mat embed
-    cism_mat head              # the embedding again when tied
-    const float *final_norm
-    Rope rope
-    int threads
-    bint act_q8
     bint prefill_bf16          # prompt tokens' layer projections in the bf16 precision
     bint kv_f16                # KV caches hold binary16 (kv_precision "fp16")
 
@@ -112,32 +105,16 @@ cdef class DenseModel(WeightStore):
         arrays = self.load_weights(weights, weight_shapes(config, "lm_head.weight" in weights), config.tied)
 
         c = config
-        self.c.hidden = c.hidden
-        self.c.inter = c.intermediate
-        self.c.layers = c.layers
-        self.c.heads = c.heads
-        self.c.kv_heads = c.kv_heads
-        self.c.head_dim = c.head_dim
-        self.c.vocab = c.vocab
-        self.c.context = c.context
-        self.c.q_width = c.heads * c.head_dim
-        self.c.kv_width = c.kv_heads * c.head_dim
-        self.c.eps = c.eps
+        self.fill_base(&self.c.base, config)
         self.c.qwen3 = c.model_type == "qwen3"
         self.c.window = c.sliding_window
         self.c.kv_f16 = kv_precision == "fp16"
         self.kv_precision_ = kv_precision
-        self.c.threads = self.threads_
         self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
 
-        self.c.embed = self.mat("model.embed_tokens.weight", arrays, embed)[0]
-        if c.tied:
-            self.c.head = self.c.embed
-        else:
-            self.c.head = self.mat("lm_head.weight", arrays, embed)[0]
-        self.c.final_norm = self.vec("model.norm.weight", arrays)
+        self.pack_ends(&self.c.base, arrays, embed, c.tied)
         cdef Layer *L
         for i in range(c.layers):
             p = f"model.layers.{i}."
@@ -163,7 +140,7 @@ cdef class DenseModel(WeightStore):
                            "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
                 arrays.pop(p + suffix, None)
-        self.build_rope(&self.c.rope, config.rope_theta, c.head_dim, c.context,
+        self.build_rope(&self.c.base.rope, config.rope_theta, c.head_dim, c.context,
                         rope_divisors(config.rope_scaling, config.rope_theta, c.head_dim),
                         rope_attention_factor(config.rope_scaling))
         self.set_act_precision(act_precision)
@@ -181,7 +158,7 @@ cdef class DenseModel(WeightStore):
     # ---- properties ----
 
     cdef void apply_act_precision(self):
-        self.c.act_q8 = self.act_q8_
+        self.c.base.act_q8 = self.act_q8_
 
     @property
     def prefill_precision(self):
@@ -254,8 +231,9 @@ cdef class DenseModel(WeightStore):
     def _paged_state(self):
         with self.lock_:
             if self.paged_state is None:
-                cap = paged_cap(self.c.layers, self.c.kv_width, paged_env_blocks(), kv_elem_bytes(&self.c))
-                nbytes = cap * kv_block_bytes(kv_elem_bytes(&self.c), self.c.layers, self.c.kv_width)
+                cap = paged_cap(self.c.base.layers, self.c.base.kv_width, paged_env_blocks(),
+                                kv_elem_bytes(&self.c))
+                nbytes = cap * kv_block_bytes(kv_elem_bytes(&self.c), self.c.base.layers, self.c.base.kv_width)
                 self.reserve_kv(nbytes, f"the paged pool ({cap} blocks)")
                 try:
                     self.paged_state = PagedState(self.new_pool(cap), cap)
@@ -314,9 +292,10 @@ cdef class DenseModel(WeightStore):
         max_blocks = check_count(max_blocks, "max_blocks")
         st = self._paged_state()
         with st:
-            cap = paged_cap(self.c.layers, self.c.kv_width, max_blocks or st.max_blocks, kv_elem_bytes(&self.c))
+            cap = paged_cap(self.c.base.layers, self.c.base.kv_width, max_blocks or st.max_blocks,
+                            kv_elem_bytes(&self.c))
             old = st.pool.kv_bytes()
-            new = cap * kv_block_bytes(kv_elem_bytes(&self.c), self.c.layers, self.c.kv_width)
+            new = cap * kv_block_bytes(kv_elem_bytes(&self.c), self.c.base.layers, self.c.base.kv_width)
             self.release_kv(old)
             try:
                 self.reserve_kv(new, f"the paged pool ({cap} blocks)")
@@ -336,8 +315,8 @@ cdef class DenseModel(WeightStore):
         return self._paged_state().pool
 
     cdef object new_pool(self, cap):
-        return BlockPool(cap, self.c.layers, self.c.kv_width,
-                         dtype=np.float16 if self.c.kv_f16 else np.float32, head_dim=self.c.head_dim)
+        return BlockPool(cap, self.c.base.layers, self.c.base.kv_width,
+                         dtype=np.float16 if self.c.kv_f16 else np.float32, head_dim=self.c.base.head_dim)
 
     def __repr__(self):
         c = self.config
@@ -345,7 +324,7 @@ cdef class DenseModel(WeightStore):
                 f"precision={self.precision_!r}, act_precision={self.act_precision!r}, "
                 + (f"prefill_precision={self.prefill_precision_!r}, " if self.c.prefill_bf16 else "")
                 + (f"kv_precision={self.kv_precision_!r}, " if self.c.kv_f16 else "")
-                + f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
+                + f"threads={self.c.base.threads}, weight_bytes={self.weight_bytes_})")
 
 
 def check_prefill_precision(value):
@@ -387,12 +366,12 @@ cdef struct Work:
 
 
 cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out) noexcept nogil:
-    if S > w.a.score_cap or <size_t>m.threads > w.a.threads_cap:
+    if S > w.a.score_cap or <size_t>m.base.threads > w.a.threads_cap:
         w.a.score_cap = 0   # (attn_work_reserve grows the rest)
-        if grow_f(&w.hscores, m.heads * S):
+        if grow_f(&w.hscores, m.base.heads * S):
             return -1
-    return attn_work_reserve(&w.a, T, S, n_out, m.hidden, m.inter, m.q_width, m.kv_width, m.head_dim,
-                             m.threads)
+    return attn_work_reserve(&w.a, T, S, n_out, m.base.hidden, m.base.inter, m.base.q_width, m.base.kv_width,
+                             m.base.head_dim, m.base.threads)
 
 
 cdef void work_free(Work *w) noexcept nogil:
@@ -404,22 +383,22 @@ cdef void work_free(Work *w) noexcept nogil:
 cdef void qk_rope_store(const ModelC *m, Work *w, size_t l, size_t g, const KV *kv, size_t pos,
                         int tid) noexcept nogil:
     cdef const Layer *L = &m.layer[l]
-    cdef size_t hd = m.head_dim, h
-    cdef float *q = w.a.q + g * m.q_width
-    cdef float *k = w.a.k + g * m.kv_width
+    cdef size_t hd = m.base.head_dim, h
+    cdef float *q = w.a.q + g * m.base.q_width
+    cdef float *k = w.a.k + g * m.base.kv_width
     cdef const cism_kernels *K = kernel_table()
     if L.q_bias != NULL:
         # after the projection's sum, as torch's linear adds them
-        add_into(q, L.q_bias, m.q_width)
-        add_into(k, L.k_bias, m.kv_width)
-        add_into(w.a.v + g * m.kv_width, L.v_bias, m.kv_width)
+        add_into(q, L.q_bias, m.base.q_width)
+        add_into(k, L.k_bias, m.base.kv_width)
+        add_into(w.a.v + g * m.base.kv_width, L.v_bias, m.base.kv_width)
     if m.qwen3:
         # per-head RMS norms of q and k before rotation
-        head_norms(q, m.heads, hd, L.q_norm, m.eps)
-        head_norms(k, m.kv_heads, hd, L.k_norm, m.eps)
-    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.a.rope + tid * hd)
-    for h in range(m.kv_heads):
-        kv_store(K, kv, l, h, pos, k + h * hd, w.a.v + g * m.kv_width + h * hd)
+        head_norms(q, m.base.heads, hd, L.q_norm, m.base.eps)
+        head_norms(k, m.base.kv_heads, hd, L.k_norm, m.base.eps)
+    rope_rotate(&m.base.rope, pos, q, m.base.heads, k, m.base.kv_heads, w.a.rope + tid * hd)
+    for h in range(m.base.kv_heads):
+        kv_store(K, kv, l, h, pos, k + h * hd, w.a.v + g * m.base.kv_width + h * hd)
 
 
 cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv,
@@ -434,26 +413,26 @@ cdef void attend_split(const ModelC *m, const cism_kernels *K, Work *w, size_t l
     heads as one tile (axpy_tile: each output element's fma chain over the
     positions in order, whatever columns the call covers). So every head
     gets attend()'s bits for it alone."""
-    cdef size_t hd = m.head_dim
+    cdef size_t hd = m.base.head_dim
     cdef size_t p = w.a.pos_of[0], span = p + 1, lo = window_start(m.window, p)
     cdef size_t t0 = lo // 16, tiles = (span + 15) // 16 - t0   # the key tiles read: from the window's
     cdef size_t runs = min(tiles, <size_t>(4 * nt))      # runs of key tiles per KV group
     cdef size_t cols = (hd + SPLIT_COLS - 1) // SPLIT_COLS
     cdef size_t r
-    for r in prange(m.kv_heads * runs, num_threads=nt, schedule='static'):
+    for r in prange(m.base.kv_heads * runs, num_threads=nt, schedule='static'):
         split_scores(m, K, w, l, kv, r // runs, t0 + tiles * (r % runs) // runs,
                      t0 + tiles * (r % runs + 1) // runs)
-    for r in prange(m.heads, num_threads=nt, schedule='static'):
+    for r in prange(m.base.heads, num_threads=nt, schedule='static'):
         window_softmax(K, w.hscores + r * span, lo, p, 1.0 / sqrtf(<float>hd), w.a.att + r * hd, hd,
                        &w.a.bad_score)
-    for r in prange(m.kv_heads * cols, num_threads=nt, schedule='static'):
+    for r in prange(m.base.kv_heads * cols, num_threads=nt, schedule='static'):
         split_weighted(m, K, w, l, kv, r // cols, (r % cols) * SPLIT_COLS)
 
 
 cdef void split_scores(const ModelC *m, const cism_kernels *K, Work *w, size_t l, const KV *kv, size_t kvh,
                        size_t t0, size_t t1) noexcept nogil:
     """attend_split's scores of KV group kvh's heads against key tiles t0..t1."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.a.pos_of[0] + 1, t, h0, nh
+    cdef size_t hd = m.base.head_dim, G = m.base.heads // m.base.kv_heads, span = w.a.pos_of[0] + 1, t, h0, nh
     for t in range((G + QTILE - 1) // QTILE):
         h0 = kvh * G + t * QTILE
         nh = min(<size_t>QTILE, (kvh + 1) * G - h0)
@@ -464,7 +443,7 @@ cdef void split_weighted(const ModelC *m, const cism_kernels *K, Work *w, size_t
                          size_t c0) noexcept nogil:
     """attend_split's weighted sums of KV group kvh's heads, value columns
     c0..c0 + SPLIT_COLS (within the head), every position in order."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, span = w.a.pos_of[0] + 1
+    cdef size_t hd = m.base.head_dim, G = m.base.heads // m.base.kv_heads, span = w.a.pos_of[0] + 1
     cdef size_t n = min(<size_t>SPLIT_COLS, hd - c0), t, h0, nh, lo = window_start(m.window, span - 1)
     for t in range((G + QTILE - 1) // QTILE):
         h0 = kvh * G + t * QTILE
@@ -480,21 +459,22 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
     Returns OK, CANCELLED, NOMEM, NONFINITE_SCORE (checked for every token,
     so also in a prompt chunk that wants no logits) or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t H = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width, hd = m.head_dim
+    cdef size_t H = m.base.hidden, I = m.base.inter, hd = m.base.head_dim
+    cdef size_t QW = m.base.q_width, KW = m.base.kv_width
     # threads per loop: the whole team only where the loop has the work for it
-    cdef int nt = m.threads
+    cdef int nt = m.base.threads
     cdef int ntT = team(nt, T, T * H)
     cdef int ntH
     cdef size_t ntiles
     cdef size_t S = 0, g, l, r, nq, h, per_tile, items
-    cdef size_t group = m.heads // m.kv_heads
+    cdef size_t group = m.base.heads // m.base.kv_heads
     cdef bint split
     cdef float *sc
     cdef const Layer *L
     cdef const cism_mat *mats[3]
     cdef float *outs[3]
     cdef size_t lds[3]
-    cdef bint q8 = m.act_q8
+    cdef bint q8 = m.base.act_q8
     # the layers' projections: bf16 for prompt tokens when the model asks for
     # it (the head, and every generated token, stay canonical)
     cdef int lmode = (ACT_BF16 | q8) if (m.prefill_bf16 and w.prompt) else q8
@@ -510,12 +490,12 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         return NOMEM
     ntiles = query_tiles(w.a.tile_of, w.a.seq_of, w.a.pos_of, T)
     split = T == 1 and nt > 1 and w.a.pos_of[0] + 1 >= SPLIT_MIN_SPAN and not abf16
-    per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
+    per_tile = m.base.kv_heads if nt == 1 or ntiles * m.base.kv_heads >= 2 * <size_t>nt else m.base.heads
     items = ntiles * per_tile
-    ntH = team(nt, items, T * m.heads * S * hd)
+    ntH = team(nt, items, T * m.base.heads * S * hd)
     w.a.bad_score = 0
-    embed_rows(&m.embed, tokens, T, w.a.x, H, ntT)
-    for l in range(m.layers):
+    embed_rows(&m.base.embed, tokens, T, w.a.x, H, ntT)
+    for l in range(m.base.layers):
         if cism_flag_check(cancel):
             return CANCELLED
         L = &m.layer[l]
@@ -523,7 +503,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
         for g in prange(T, num_threads=ntT, schedule='static'):
             if l > 0:
                 add_into(w.a.x + g * H, w.a.proj + g * H, H)
-            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.input_norm, H, m.eps)
+            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.input_norm, H, m.base.eps)
         # q, k, v projections in one pass over their rows
         mats[0] = &L.q
         mats[1] = &L.k
@@ -555,7 +535,7 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
                 g = w.a.tile_of[r % ntiles]
                 nq = (w.a.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
                 sc = w.a.scores + threadid() * QTILE * w.a.score_cap
-                if per_tile == m.heads:
+                if per_tile == m.base.heads:
                     h = r // ntiles
                     attend_tile(K, &kvs[w.a.seq_of[g]], l, h // group, w.a.q + g * QW + h * hd,
                                 w.a.att + g * QW + h * hd, QW, nq, w.a.pos_of[g], m.window, sc,
@@ -577,22 +557,22 @@ cdef int forward(const ModelC *m, Work *w, const int64_t *tokens, size_t T, cons
             return NOMEM
         for g in prange(T, num_threads=ntT, schedule='static'):
             add_into(w.a.x + g * H, w.a.proj + g * H, H)
-            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.post_norm, H, m.eps)
+            rmsnorm(w.a.x + g * H, w.a.xn + g * H, L.post_norm, H, m.base.eps)
         # SwiGLU: silu(gate) * up, then down (its residual is added by the next layer)
         if swiglu(&L.gate, &L.up, &L.down, lmode, w.a.xn, H, I, T, w.a.gate, w.a.up, w.a.proj, &w.a.qs, nt, ntT) != 0:
             return NOMEM
     if n_out == 0:
         return OK
     # final residual, norm and head, only for the rows whose logits are wanted
-    rc = lm_head(&m.head, m.final_norm, m.eps, w.a.x, w.a.proj, out_rows, n_out, H, m.vocab, q8, w.a.head_in,
-                 logits, &w.a.qs, nt)
+    rc = lm_head(&m.base.head, m.base.final_norm, m.base.eps, w.a.x, w.a.proj, out_rows, n_out, H, m.base.vocab,
+                 q8, w.a.head_in, logits, &w.a.qs, nt)
     return OK if rc == 0 else (NOMEM if rc == -1 else NONFINITE)
 
 
 # --------------------------------------------------------------- sessions ---
 
 cdef size_t session_kv_bytes(const ModelC *m, size_t capacity) noexcept:
-    return kv_cache_bytes(kv_elem_bytes(m), m.layers, capacity, m.kv_width)
+    return kv_cache_bytes(kv_elem_bytes(m), m.base.layers, capacity, m.base.kv_width)
 
 
 cdef object check_kv(const ModelC *m, size_t capacity, size_t sequences=1):
@@ -619,7 +599,7 @@ cdef class Session(DecodeSession):
         self.m = &model.c
         self.stepper = DenseStepper(model)
         self.one.kv = &self.kv
-        self.setup(as_tokens(prompt, model.c.vocab), 0, model.c.vocab, model.c.context,
+        self.setup(as_tokens(prompt, model.c.base.vocab), 0, model.c.base.vocab, model.c.base.context,
                    max_new_tokens, temperature, top_p, top_k, seed, eos, min_p, repetition_penalty)
         check_kv(self.m, self.s.capacity)
         nbytes = session_kv_bytes(self.m, self.s.capacity)
@@ -635,8 +615,8 @@ cdef class Session(DecodeSession):
     # undo: rows past the position are rewritten before any query reads them,
     # so the position roll-back in step() is all.
     cdef int alloc(self) noexcept nogil:
-        return (OK if kv_alloc(&self.kv, self.m.layers, self.s.capacity, self.m.kv_heads, self.m.head_dim,
-                               kv_elem_bytes(self.m)) == 0 else NOMEM)
+        return (OK if kv_alloc(&self.kv, self.m.base.layers, self.s.capacity, self.m.base.kv_heads,
+                               self.m.base.head_dim, kv_elem_bytes(self.m)) == 0 else NOMEM)
 
 
 # -------------------------------------------------------- the ragged step ---
@@ -655,11 +635,11 @@ cdef class DenseStepper(Stepper):
     def __init__(self, DenseModel model):
         Stepper.__init__(self, model)
         self.m = &model.c
-        self.vocab = model.c.vocab
+        self.vocab = model.c.base.vocab
         self.state_floats = 0
-        self.kv_layers = model.c.layers
-        self.kv_width = model.c.kv_width
-        self.head_dim = model.c.head_dim
+        self.kv_layers = model.c.base.layers
+        self.kv_width = model.c.base.kv_width
+        self.head_dim = model.c.base.head_dim
         self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
         self.bf16_prompts = model.c.prefill_bf16
 
@@ -680,8 +660,8 @@ cdef class DenseStepper(Stepper):
             if run.kv != NULL:
                 self.kvs[r] = run.kv[0]
             else:
-                kv_paged(&self.kvs[r], self.k_pages, self.v_pages, run.blocks, self.n_pages, self.m.layers,
-                         self.m.kv_heads, self.m.head_dim, kv_elem_bytes(self.m))
+                kv_paged(&self.kvs[r], self.k_pages, self.v_pages, run.blocks, self.n_pages, self.m.base.layers,
+                         self.m.base.kv_heads, self.m.base.head_dim, kv_elem_bytes(self.m))
             for i in range(run.n):
                 self.w.a.seq_of[run.first + i] = <int>r
                 self.w.a.pos_of[run.first + i] = run.pos + i

@@ -1,4 +1,4 @@
-"""The serving engine's core: requests, the scheduler and the step.
+"""The serving engine's core: a request's lifecycle around the step.
 
 A step is one forward over a ragged batch (cism._step): the decode token of
 every running sequence (or its verification block, when it speculates),
@@ -8,103 +8,55 @@ samples its next token. Tokens never depend on the rest of the step: each
 sequence keeps its own generator, history and logits, and every row of the
 forward has the bits a solo session computes for it.
 
-This module is single-threaded: cism.engine.Engine runs it from one thread
-(or lets a caller step it by hand) and carries requests in and tokens out.
+EngineCore adds requests, runs a step (cism._scheduler plans it,
+cism._engine_step lays it out and runs the forward), accepts drafts,
+publishes the chosen tokens, caches full blocks, and ends requests
+(finished, cancelled, failed). This module is single-threaded:
+cism.engine.Engine runs it from one thread (or lets a caller step it by
+hand) and carries requests in and tokens out.
 """
 import numpy as np
 
 cimport numpy as cnp
-from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcmp, memcpy, memset
+from libc.stdint cimport int64_t
+from libc.stdlib cimport malloc
+from libc.string cimport memcmp, memcpy
 
-from cism._status cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, STOP, LENGTH, CANCEL,
+from cism._status cimport (OK, CANCELLED, NOMEM, NONFINITE, NONFINITE_SCORE, RUNNING, CANCEL,
                            cism_flag_get, cism_flag_set, cism_flag_check)
-from cism._checks cimport Params, as_tokens, check_count, parse_params, params_eos, knobs_of, logits_copy
-from cism._layers cimport all_finite_f, grow_f
-from cism._session cimport SeqCore, core_alloc, core_free, core_account, MAX_K
-from cism._requests cimport ACTIVE, DONE, MAX_TOP, WAITING, Job, Seq, run_job
-from cism._step cimport Stepper, StepBatch, StepRun, forward_split_prompts
-from cism.sampling cimport (cism_knobs, cism_mt64, cism_sampler, argmax, choose_token,
-                            draft_tokens, token_logprobs)
-from cism._prefix cimport PrefixCache, Entry
+from cism._checks cimport as_tokens, check_count, parse_params
+from cism._layers cimport all_finite_f
+from cism._session cimport core_alloc, core_account
+from cism._requests cimport ACTIVE, DONE, WAITING, Job, Seq
+from cism._step cimport Stepper
+from cism._scheduler cimport Scheduler
+from cism._engine_step cimport EngineStep
+from cism.sampling cimport argmax
 
 from cism._status import FINISH_NAMES
-from cism.paging import OutOfBlocks
 
 cnp.import_array()
 
 DEF BLOCK = 16
 
-cdef class EngineCore:
+cdef class EngineCore(Scheduler):
     """Requests, pool, prefix cache and the step. Not thread-safe: one
     thread at a time (cism.engine.Engine serialises)."""
-    cdef readonly Stepper stepper
-    cdef readonly object pool
-    cdef readonly PrefixCache cache
-    cdef readonly size_t vocab, context, max_seqs, max_step_tokens, aging_steps
-    cdef size_t budget_cap               # lowered after a step ran out of memory
-    cdef readonly list waiting, active
     cdef readonly dict by_id
     cdef long long next_arrival
     cdef int abort                       # cancels the forward in flight (shutdown)
-    cdef int inject                      # tests: the next forward's result, without running it
-    # step buffers
-    cdef int64_t *tokens
-    cdef StepRun *runs
-    cdef float **snap
-    cdef float *snap_mem
-    cdef float *logits
-    cdef Job *jobs
-    cdef int64_t *top_ids
-    cdef double *top_lp
-    cdef size_t tokens_cap, runs_cap, snap_cap, logits_cap, jobs_cap, top_cap
-    cdef int threads
+    cdef EngineStep work                 # the step's buffers and forward
     # counters
-    cdef readonly size_t steps, tokens_run, generated_total, preempted_total
+    cdef readonly size_t steps, tokens_run, generated_total
     cdef readonly size_t spec_proposed, spec_accepted
-
-    def __cinit__(self):
-        self.tokens = NULL
-        self.runs = NULL
-        self.snap = NULL
-        self.snap_mem = NULL
-        self.logits = NULL
-        self.jobs = NULL
-        self.top_ids = NULL
-        self.top_lp = NULL
 
     def __init__(self, Stepper stepper, pool, prefix_caching, size_t snapshot_budget,
                  size_t max_seqs, size_t max_step_tokens, size_t aging_steps, int threads):
-        self.stepper = stepper
-        self.pool = pool
-        model = stepper.model
-        self.vocab = stepper.vocab
-        self.context = model.config.context
-        self.max_seqs = max_seqs
-        self.max_step_tokens = max_step_tokens
-        self.budget_cap = max_step_tokens
-        self.aging_steps = aging_steps
-        self.threads = threads
-        self.cache = (PrefixCache(pool, model.compile_key, stepper.state_floats, snapshot_budget)
-                      if prefix_caching else None)
-        self.waiting = []
-        self.active = []
+        Scheduler.__init__(self, stepper, pool, prefix_caching, snapshot_budget, max_seqs,
+                           max_step_tokens, aging_steps)
+        self.work = EngineStep(stepper, threads)
         self.by_id = {}
         self.next_arrival = 0
-        if pool is not None:
-            stepper.set_pages(pool)
-
-    def __dealloc__(self):
-        free(self.tokens)
-        free(self.runs)
-        free(self.snap)
-        free(self.snap_mem)
-        free(self.logits)
-        free(self.jobs)
-        free(self.top_ids)
-        free(self.top_lp)
 
     # ------------------------------------------------------------ requests ---
 
@@ -180,7 +132,7 @@ cdef class EngineCore:
         """Testing hook: the next step's forward "returns" NOMEM or CANCELLED
         without running, or ("nonfinite") runs and has its first logits row
         turned NaN, so the recovery paths run on purpose."""
-        self.inject = {"nomem": NOMEM, "cancelled": CANCELLED, "nonfinite": NONFINITE}[name]
+        self.work.inject = {"nomem": NOMEM, "cancelled": CANCELLED, "nonfinite": NONFINITE}[name]
 
     def abort_forward(self):
         """Stop the forward in flight at its next layer (from any thread)."""
@@ -198,291 +150,14 @@ cdef class EngineCore:
                 return True
         return False
 
-    # --------------------------------------------------------- resources ---
-
-    cdef void sync_blocks(self, Seq q):
-        blocks = self.pool.get_blocks(q.req_id)
-        q.n_blocks = len(blocks)
-        for i in range(q.n_blocks):
-            q.blocks[i] = blocks[i]
-
-    cdef release(self, Seq q):
-        """Give back a request's blocks and state (finish, cancel, preemption)."""
-        if self.pool is not None and self.pool.contains(q.req_id):
-            blocks = self.pool.free(q.req_id)
-            if self.cache is not None:
-                self.cache.released(blocks)
-        q.n_blocks = 0
-        free(q.state)
-        q.state = NULL
-
-    cdef bint make_room(self, size_t need, tuple above, list plan, Seq keep):
-        """Free blocks until `need` are free: evict cached blocks nobody
-        uses, then preempt active requests ranked below `above` (lowest
-        first; among equals the newest), never `keep`. Returns success."""
-        cdef Seq victim, q
-        while self.pool.free_count() < need:
-            if self.cache is not None and self.cache.evict(need - self.pool.free_count()):
-                continue
-            victim = None
-            for q in self.active:
-                if q is keep or q.rank(self.aging_steps) >= above:
-                    continue
-                if victim is None or q.rank(self.aging_steps) < victim.rank(self.aging_steps):
-                    victim = q
-            if victim is None:
-                return False
-            if victim.in_step:
-                plan.remove(victim)
-                victim.in_step = False
-            self.preempt(victim)
-        return True
-
-    cdef bint grow_to(self, Seq q, size_t length, list plan):
-        """Blocks for `length` positions of an active request."""
-        if self.pool is None:
-            return True
-        need = (length + BLOCK - 1) // BLOCK - q.n_blocks
-        if need <= 0:
-            return True
-        if need > self.pool.free_count():
-            if not self.make_room(need, q.rank(self.aging_steps), plan, q):
-                return False
-        self.pool.ensure(q.req_id, length)
-        self.sync_blocks(q)
-        return True
-
-    cdef preempt(self, Seq q):
-        """Back to waiting with every token kept; it recomputes when readmitted."""
-        self.release(q)
-        self.active.remove(q)
-        q.recomputed_tokens += q.s.position
-        q.s.position = 0
-        q.keys = []
-        q.phase = WAITING
-        q.preemptions += 1
-        self.preempted_total += 1
-        self.waiting.append(q)
-
-    cdef list block_keys(self, Seq q, size_t start, size_t count):
-        """Prefix-cache keys of q's full blocks start..start+count-1."""
-        cdef list keys = []
-        cdef bytes prev = q.keys[start - 1] if start > 0 else self.cache.root
-        cdef size_t b, pos, n_bf16
-        for b in range(start, start + count):
-            n_bf16 = 0
-            if self.stepper.bf16_prompts:
-                pos = b * BLOCK
-                n_bf16 = min(<size_t>BLOCK, q.s.prompt_end - pos) if q.s.prompt_end > pos else 0
-            prev = PrefixCache.next_key(prev, (<char*>(q.s.history + b * BLOCK))[:BLOCK * sizeof(int64_t)],
-                                        n_bf16)
-            keys.append(prev)
-        return keys
-
-    cdef bint admit(self, Seq q, size_t budget, list plan):
-        """Blocks (reusing cached ones) and state for a waiting request's
-        first chunk; on failure it stays waiting, holding nothing."""
-        cdef Entry e
-        cdef list found = []
-        cdef cnp.ndarray snap
-        cdef size_t full, want
-        snapshot = None
-        if self.cache is not None:
-            full = (q.s.hist_len - 1) // BLOCK   # the last token always runs: its logits
-            keys = self.block_keys(q, 0, full)
-            found, snapshot = self.cache.lookup(keys)
-        if self.stepper.state_floats:
-            q.state = <float*>calloc(self.stepper.state_floats + 16, sizeof(float))
-            if q.state == NULL:
-                raise MemoryError("cannot allocate a recurrent state")
-            if snapshot is not None:
-                snap = snapshot
-                memcpy(q.state, cnp.PyArray_DATA(snap), self.stepper.state_floats * sizeof(float))
-        if self.pool is not None:
-            self.pool.allocate(q.req_id, 0)
-            for e in found:
-                self.pool.share_block(q.req_id, e.phys)
-            self.cache.claimed(found) if self.cache is not None else None
-            self.sync_blocks(q)
-        q.s.position = BLOCK * len(found)
-        q.keys = [e.key for e in found]
-        want = self.wanted(q, budget)
-        q.phase = ACTIVE
-        self.active.append(q)
-        self.waiting.remove(q)
-        if not self.grow_to(q, q.s.position + want, plan):
-            # undo: back to waiting, as it was
-            self.active.remove(q)
-            self.waiting.append(q)
-            q.phase = WAITING
-            self.release(q)
-            q.s.position = 0
-            q.keys = []
-            return False
-        q.cached_tokens += q.s.position
-        q.run_n = want
-        return True
-
-    # ---------------------------------------------------------- schedule ---
-
-    cdef size_t wanted(self, Seq q, size_t budget):
-        """Tokens q runs this step within `budget`: the pending ones (prompt
-        chunks, recompute), or its decode token and drafts."""
-        cdef size_t pending = q.s.hist_len - q.s.position, k, room
-        q.n_drafts = 0
-        if budget == 0 or pending == 0:
-            return 0
-        if pending > 1 or q.spec_k == 0:
-            return pending if pending < budget else budget
-        # one pending token: the last one chosen; drafts ride along (greedy)
-        room = min(q.s.max_new, q.hold) - q.s.generated   # emits at most room: accepted drafts + one more
-        k = q.spec_k
-        if k + 1 > room:
-            k = room - 1 if room else 0
-        if k > budget - 1:
-            k = budget - 1
-        if k >= 1:
-            q.n_drafts = draft_tokens(q.s.history, q.s.hist_len, k, q.drafts)
-        return 1 + q.n_drafts
-
-    cdef list schedule(self):
-        cdef list plan = []
-        cdef Seq q
-        cdef size_t budget = self.budget_cap, want
-        cdef size_t aging = self.aging_steps
-        order = sorted(self.active, key=lambda s: s.rank(aging), reverse=True)
-        for q in order:
-            if q.phase != ACTIVE:
-                continue   # preempted for someone ranked above it
-            want = self.wanted(q, budget)
-            if want == 0:
-                continue
-            if not self.grow_to(q, q.s.position + want, plan):
-                self.preempt(q)
-                continue
-            q.run_n = want
-            q.in_step = True
-            plan.append(q)
-            budget -= want
-        # admission: best-ranked first, while there is room (a follower
-        # waits while its leader prefills: it forks from it afterwards)
-        while len(self.active) < self.max_seqs and budget > 0:
-            candidates = [x for x in self.waiting if not self.follows(x)]
-            if not candidates:
-                break
-            q = max(candidates, key=lambda s: s.rank(aging))
-            if not self.admit(q, budget, plan):
-                break   # no skipping ahead of it: it would wait forever behind smaller ones
-            q.in_step = True
-            plan.append(q)
-            # (admission may have preempted planned requests ranked below it)
-            budget = self.budget_cap - sum((<Seq>x).run_n for x in plan)
-        return plan
-
-    cdef bint follows(self, Seq q):
-        """Whether q still waits for its leader's prefill (the link is dropped
-        once the leader cannot lead any more)."""
-        cdef Seq lead = q.leader
-        if lead is None:
-            return False
-        if lead.phase == ACTIVE and lead.s.position < lead.s.prompt_end:
-            return True
-        if lead.phase == WAITING and lead.s.position == 0 and lead.s.hist_len == lead.s.prompt_end:
-            return True   # not admitted yet, its prompt untouched
-        self.unlink(q)
-        return False
-
-    cdef unlink(self, Seq q):
-        if q.leader is not None:
-            if q in q.leader.followers:
-                q.leader.followers.remove(q)
-            q.leader = None
-
-    cdef fork_followers(self, Seq lead):
-        """Right after lead's prompt ran: its waiting followers start from
-        its blocks (full ones shared, the tail copied), logits and state,
-        as far as there is room; the others are admitted as usual later."""
-        cdef Seq f
-        cdef size_t S = self.stepper.state_floats
-        for f in list(lead.followers):
-            self.unlink(f)
-            if f.phase != WAITING or f.cancelled or len(self.active) >= self.max_seqs:
-                continue
-            if self.pool is not None:
-                if lead.s.prompt_end % BLOCK and self.pool.free_count() == 0:
-                    if self.cache is None or not self.cache.evict(1):
-                        continue
-                self.pool.fork(f.req_id, lead.req_id, lead.s.prompt_end)
-                self.sync_blocks(f)
-            if S:
-                f.state = <float*>malloc((S + 16) * sizeof(float))
-                if f.state == NULL:
-                    self.release(f)
-                    continue
-                memcpy(f.state, lead.state, S * sizeof(float))
-            f.s.position = lead.s.prompt_end
-            memcpy(f.s.logits, lead.s.logits, self.vocab * sizeof(float))
-            f.s.have_logits = True
-            f.keys = list(lead.keys[:lead.s.prompt_end // BLOCK])
-            f.cached_tokens += lead.s.prompt_end
-            f.phase = ACTIVE
-            self.waiting.remove(f)
-            self.active.append(f)
-
     # -------------------------------------------------------------- step ---
-
-    cdef int reserve(self, size_t T, size_t runs, size_t rows, size_t snaps, size_t jobs) except -1:
-        if T > self.tokens_cap:
-            free(self.tokens)
-            self.tokens_cap = 0
-            self.tokens = <int64_t*>malloc(T * sizeof(int64_t))
-            free(self.snap)
-            self.snap = <float**>malloc(T * sizeof(float*))
-            if self.tokens == NULL or self.snap == NULL:
-                raise MemoryError("cannot allocate the step's buffers")
-            self.tokens_cap = T
-        if runs > self.runs_cap:
-            free(self.runs)
-            self.runs_cap = 0
-            self.runs = <StepRun*>malloc(runs * sizeof(StepRun))
-            if self.runs == NULL:
-                raise MemoryError("cannot allocate the step's buffers")
-            self.runs_cap = runs
-        if rows * self.vocab > self.logits_cap:
-            self.logits_cap = 0
-            if grow_f(&self.logits, rows * self.vocab):
-                raise MemoryError("cannot allocate the step's logits")
-            self.logits_cap = rows * self.vocab
-        if snaps * self.stepper.state_floats > self.snap_cap:
-            self.snap_cap = 0
-            if grow_f(&self.snap_mem, snaps * self.stepper.state_floats):
-                raise MemoryError("cannot allocate the step's state snapshots")
-            self.snap_cap = snaps * self.stepper.state_floats
-        if jobs > self.jobs_cap:
-            free(self.jobs)
-            self.jobs_cap = 0
-            self.jobs = <Job*>malloc(jobs * sizeof(Job))
-            if self.jobs == NULL:
-                raise MemoryError("cannot allocate the step's buffers")
-            self.jobs_cap = jobs
-        if jobs * MAX_TOP > self.top_cap:
-            free(self.top_ids)
-            free(self.top_lp)
-            self.top_cap = 0
-            self.top_ids = <int64_t*>malloc(jobs * MAX_TOP * sizeof(int64_t))
-            self.top_lp = <double*>malloc(jobs * MAX_TOP * sizeof(double))
-            if self.top_ids == NULL or self.top_lp == NULL:
-                raise MemoryError("cannot allocate the step's buffers")
-            self.top_cap = jobs * MAX_TOP
-        return 0
 
     def step(self):
         """One step: reap cancelled requests, schedule, one forward, choose
         tokens. Returns the number of tokens the forward ran (0: idle)."""
         cdef Seq q
         cdef list plan
-        cdef size_t T = 0, rows = 0, n_snaps = 0, i, r, pos, g
-        cdef size_t S = self.stepper.state_floats
+        cdef size_t T
         cdef int rc
         if cism_flag_check(&self.abort):
             self.cancel_everything()
@@ -492,58 +167,8 @@ cdef class EngineCore:
         plan = self.schedule()
         if not plan:
             return 0
-        # lay out the step: the tokens of each run, its logits rows, its snapshots
-        for q in plan:
-            T += q.run_n
-            if q.s.position + q.run_n == q.s.hist_len or q.n_drafts:
-                rows += q.run_n if q.n_drafts else 1
-            if S:
-                n_snaps += q.run_n if q.n_drafts else self.boundaries(q)
-        self.reserve(T, len(plan), rows, n_snaps, rows)
-        T = 0
-        rows = 0
-        n_snaps = 0
-        for r, q in enumerate(plan):
-            q.run_first = T
-            memcpy(self.tokens + T, q.s.history + q.s.position, (q.run_n - q.n_drafts) * sizeof(int64_t))
-            if q.n_drafts:
-                memcpy(self.tokens + T + 1, q.drafts, q.n_drafts * sizeof(int64_t))
-            self.runs[r].first = T
-            self.runs[r].n = q.run_n
-            self.runs[r].pos = q.s.position
-            self.runs[r].blocks = q.blocks
-            self.runs[r].kv = NULL
-            self.runs[r].state = q.state
-            self.runs[r].out_row = rows
-            self.runs[r].n_out = 0
-            if q.n_drafts:
-                self.runs[r].n_out = q.run_n
-            elif q.s.position + q.run_n == q.s.hist_len:
-                self.runs[r].n_out = 1
-            q.out_row = rows
-            q.run_pos = q.s.position
-            rows += self.runs[r].n_out
-            if S:
-                q.snap_first = n_snaps
-                for i in range(q.run_n):
-                    pos = q.s.position + i + 1   # the state after token i is at position pos
-                    if q.n_drafts or (self.cache is not None and pos % BLOCK == 0):
-                        self.snap[T + i] = self.snap_mem + n_snaps * S
-                        n_snaps += 1
-                    else:
-                        self.snap[T + i] = NULL
-            T += q.run_n
-        if self.inject == NONFINITE:   # tests: the step's first logits row turns NaN
-            self.inject = 0
-            rc = self.run_forward(plan, T)
-            if rows and (rc == OK or rc == NONFINITE):
-                self.logits[0] = float("nan")
-                rc = NONFINITE
-        elif self.inject:
-            rc = self.inject
-            self.inject = 0
-        else:
-            rc = self.run_forward(plan, T)
+        T = self.work.lay_out(plan, self.cache is not None)
+        rc = self.work.forward(plan, T, &self.abort)
         self.steps += 1
         self.tokens_run += T
         if rc == NOMEM:
@@ -562,41 +187,6 @@ cdef class EngineCore:
         self.budget_cap = min(self.max_step_tokens, self.budget_cap * 2)
         self.finish_step(plan, rc == NONFINITE)
         return T
-
-    cdef size_t boundaries(self, Seq q):
-        """Block boundaries q's run crosses (a snapshot after each, for the cache)."""
-        if self.cache is None:
-            return 0
-        return (q.s.position + q.run_n) // BLOCK - q.s.position // BLOCK
-
-    cdef int run_forward(self, list plan, size_t T) except? -9:
-        """The step's forward (two for a model with bf16 prefill: prompt
-        tokens at that precision first, then the rest)."""
-        cdef StepBatch b
-        cdef int rc
-        cdef Seq q
-        cdef size_t r
-        cdef size_t *ends
-        b.tokens = self.tokens
-        b.T = T
-        b.runs = self.runs
-        b.n_runs = len(plan)
-        b.snap = self.snap if self.stepper.state_floats else NULL
-        b.logits = self.logits
-        b.prompt = False
-        b.cancel = &self.abort
-        if self.stepper.bf16_prompts:
-            ends = <size_t*>malloc(len(plan) * sizeof(size_t) + 1)
-            if ends == NULL:
-                return NOMEM
-            for r, q in enumerate(plan):
-                ends[r] = q.s.prompt_end
-            rc = forward_split_prompts(self.stepper, &b, ends)
-            free(ends)
-            return rc
-        with nogil:
-            rc = self.stepper.forward(&b)
-        return rc
 
     cdef out_of_memory(self, list plan, size_t T):
         """A forward without memory: its requests go back to waiting (they
@@ -617,31 +207,23 @@ cdef class EngineCore:
         """After the forward: accept drafts, choose tokens (in parallel, each
         with its own generator), account, publish, cache full blocks."""
         cdef Seq q
-        cdef size_t n_jobs = 0, i, a, V = self.vocab, S = self.stepper.state_floats
+        cdef size_t n_jobs = 0, i, a, V = self.vocab
         cdef const float *row
         cdef list emits = []
-        cdef int nt = self.threads
         for q in plan:
             q.in_step = False
-            row = self.logits + q.out_row * V
+            row = self.work.logits + q.out_row * V
             if q.n_drafts:
                 if check_rows and not all_finite_f(row, q.run_n * V):
                     self.fail(q, RuntimeError("non-finite logits"))
                     continue
                 # the drafts the model itself chooses, then the token after them
-                a = 0
-                while a < q.n_drafts and <int64_t>argmax(row + a * V, V) == q.drafts[a]:
-                    a += 1
+                a = self.work.accept_drafts(q)
                 self.spec_proposed += q.n_drafts
                 self.spec_accepted += a
-                q.s.position += 1 + a
-                if S and a < q.n_drafts:   # back to the state after the accepted tokens
-                    memcpy(q.state, self.snap_mem + (q.snap_first + a) * S, S * sizeof(float))
-                memcpy(q.s.logits, row + a * V, V * sizeof(float))
-                q.s.have_logits = True
                 for i in range(a + 1):
-                    self.add_job(n_jobs, q, row + i * V,
-                                 q.drafts[i] if i < a else <int64_t>argmax(row + a * V, V))
+                    self.work.add_job(n_jobs, q, row + i * V,
+                                      q.drafts[i] if i < a else <int64_t>argmax(row + a * V, V))
                     n_jobs += 1
                 emits.append((q, a + 1))
             elif q.s.position + q.run_n == q.s.hist_len:
@@ -654,15 +236,13 @@ cdef class EngineCore:
                 if q.s.generated >= q.hold:   # held: choose when the count is raised
                     self.commit_blocks(q)
                     continue
-                self.add_job(n_jobs, q, q.s.logits, -1)
+                self.work.add_job(n_jobs, q, q.s.logits, -1)
                 n_jobs += 1
                 emits.append((q, 1))
             else:
                 q.s.position += q.run_n
                 self.commit_blocks(q)
-        with nogil:
-            for i in prange(n_jobs, num_threads=nt if n_jobs > 1 else 1, schedule='dynamic'):
-                run_job(&self.jobs[i])
+        self.work.run_jobs(n_jobs)
         n_jobs = 0
         for q, count in emits:
             if q.followers and q.s.position == q.s.prompt_end:
@@ -670,25 +250,13 @@ cdef class EngineCore:
             self.emit(q, n_jobs, count)
             n_jobs += count
 
-    cdef void add_job(self, size_t i, Seq q, const float *row, int64_t token):
-        cdef Job *job = &self.jobs[i]
-        job.row = row
-        job.vocab = self.vocab
-        job.token = token
-        job.s = &q.s
-        job.p = &q.p
-        job.top_n = q.top_n
-        job.want_lp = q.want_lp
-        job.top_ids = self.top_ids + i * MAX_TOP
-        job.top_lp = self.top_lp + i * MAX_TOP
-
     cdef emit(self, Seq q, size_t first_job, size_t count):
         """Account and publish the tokens jobs first_job.. chose for q."""
         cdef Job *job
         cdef size_t i, j
         tokens, lps, tops = [], [], []
         for i in range(count):
-            job = &self.jobs[first_job + i]
+            job = &self.work.jobs[first_job + i]
             if job.token < 0:
                 self.fail(q, MemoryError("cannot allocate sampler scratch"))
                 return
@@ -715,8 +283,7 @@ cdef class EngineCore:
     cdef commit_blocks(self, Seq q):
         """Cache q's blocks that just became full (every position run), with
         the recurrent state after each (one of this step's snapshots)."""
-        cdef size_t full, have, b, S = self.stepper.state_floats, idx
-        cdef cnp.ndarray snap
+        cdef size_t full, have, b
         if self.cache is None:
             return
         full = q.s.position // BLOCK
@@ -725,24 +292,8 @@ cdef class EngineCore:
             return
         q.keys.extend(self.block_keys(q, have, full - have))
         for b in range(have, full):
-            snapshot = None
-            if S:
-                idx = self.snap_index(q, (b + 1) * BLOCK)
-                if idx != <size_t>-1:
-                    snapshot = np.empty(S, np.float32)
-                    snap = snapshot
-                    memcpy(cnp.PyArray_DATA(snap), self.snap_mem + idx * S, S * sizeof(float))
+            snapshot = self.work.snapshot(q, (b + 1) * BLOCK) if self.stepper.state_floats else None
             self.cache.insert(q.keys[b], q.blocks[b] if self.pool is not None else -1, snapshot)
-
-    cdef size_t snap_index(self, Seq q, size_t boundary):
-        """Which of this step's snapshots holds q's state at position
-        `boundary`, or -1 (a verification block keeps one after every
-        token, other runs one at each block boundary)."""
-        if boundary <= q.run_pos or boundary > q.run_pos + q.run_n:
-            return <size_t>-1
-        if q.n_drafts:
-            return q.snap_first + (boundary - q.run_pos - 1)
-        return q.snap_first + (boundary // BLOCK - (q.run_pos // BLOCK + 1))
 
     cdef choose_held(self):
         """Requests that ran all their tokens while held (logits ready, no
@@ -752,15 +303,12 @@ cdef class EngineCore:
                            if (<Seq>x).s.hist_len == (<Seq>x).s.position and (<Seq>x).s.have_logits
                            and (<Seq>x).s.generated < (<Seq>x).hold]
         cdef size_t i, n = len(ready)
-        cdef int nt = self.threads
         if not n:
             return
-        self.reserve(0, 0, 0, 0, n)
+        self.work.reserve(0, 0, 0, 0, n)
         for i in range(n):
-            self.add_job(i, ready[i], (<Seq>ready[i]).s.logits, -1)
-        with nogil:
-            for i in prange(n, num_threads=nt if n > 1 else 1, schedule='dynamic'):
-                run_job(&self.jobs[i])
+            self.work.add_job(i, ready[i], (<Seq>ready[i]).s.logits, -1)
+        self.work.run_jobs(n)
         for i in range(n):
             self.emit(ready[i], i, 1)
 

@@ -12,14 +12,7 @@ from libc.stdint cimport int8_t
 cnp.import_array()
 
 from cython.parallel cimport prange
-from libc.stdint cimport uint8_t, uint16_t, uint64_t
-
-cdef extern from "memscan.h" nogil:
-    uint64_t cism_scan_regions(const size_t *addr, const size_t *size, size_t count,
-                               size_t begin, size_t end, size_t streams)
-
-cdef extern from "ggml.h" nogil:
-    int cism_ggml_decode(int type, const uint8_t *raw, size_t count, float *out)
+from libc.stdint cimport uint16_t, uint64_t
 
 cdef extern from "scratch.h" nogil:
     int cism_scratch_fail(int n)
@@ -294,69 +287,6 @@ def quantize(x):
     cism_table().quant8(<const float*>cnp.PyArray_DATA(a), n,
                         <int8_t*>cnp.PyArray_DATA(codes), <float*>cnp.PyArray_DATA(scales))
     return codes, scales
-
-
-def read_bandwidth(nbytes=1 << 31, threads=None, repeats=5, streams=8):
-    """Best-of-``repeats`` read bandwidth in bytes/s over a buffer of
-    ``nbytes`` (well above the last-level cache), each thread reading its
-    share as ``streams`` interleaved streams."""
-    import time
-    from cism._threads import resolve_threads
-    cdef int nt = resolve_threads(threads)
-    buf = np.ones(int(nbytes) // 8, dtype=np.uint64)
-    cdef size_t addr = <size_t>cnp.PyArray_DATA(buf)
-    cdef size_t n = buf.nbytes, part = n // nt, t
-    cdef size_t ns = streams
-    cdef uint64_t sink = 0
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with nogil:
-            for t in prange(nt, num_threads=nt, schedule='static'):
-                sink += cism_scan_regions(&addr, &n, 1, t * part, (t + 1) * part, ns)
-        best = max(best, (part * nt) / (time.perf_counter() - start))
-    if sink == 1:  # keep the reads
-        print("", end="")
-    return best
-
-
-cdef int decode_part(int type_id, const uint8_t *raw, size_t block, size_t block_bytes, size_t blocks,
-                     size_t b0, size_t b1, float *out) noexcept nogil:
-    if b1 > blocks:
-        b1 = blocks
-    if b0 >= b1:
-        return 0
-    return cism_ggml_decode(type_id, raw + b0 * block_bytes, (b1 - b0) * block, out + b0 * block)
-
-
-DEF DECODE_PART = 1 << 16   # elements per work item of ggml_decode (256 KB of floats)
-
-
-def ggml_decode(int type_id, const uint8_t[::1] raw, float[::1] out, int threads=1):
-    """Decode whole ggml blocks of type_id from raw into out (len(out)
-    elements), with the GIL released, in parts of about DECODE_PART elements
-    spread over ``threads`` OpenMP threads (the decode is elementwise: the
-    same bits whatever the count; no Python thread is involved, so nothing
-    can fail outside the calling thread). The loader checks the sizes; this
-    checks them again because it writes through raw pointers."""
-    from cism.loaders.ggml_types import GGML_TYPES
-    _, block, block_bytes = GGML_TYPES[type_id]
-    cdef size_t count = out.shape[0], blk = block, bb = block_bytes
-    if count % block or raw.shape[0] != count // block * block_bytes:
-        raise ValueError(f"ggml_decode: {raw.shape[0]} bytes do not hold {count} elements")
-    if not 1 <= threads <= 64:
-        raise ValueError(f"ggml_decode: threads must be in [1, 64], got {threads}")
-    cdef size_t blocks = count // blk
-    cdef size_t per = max(<size_t>1, <size_t>DECODE_PART // blk)
-    cdef size_t parts = (blocks + per - 1) // per, p
-    cdef int rc = 0
-    cdef int nt = threads if parts > 1 else 1
-    if count:
-        with nogil:
-            for p in prange(parts, num_threads=nt, schedule='static'):
-                rc += decode_part(type_id, &raw[0], blk, bb, blocks, p * per, (p + 1) * per, &out[0])
-    if rc:
-        raise ValueError(f"ggml_decode: type {type_id} is not decoded here")
 
 
 def start_threads(int threads):

@@ -1,6 +1,6 @@
 # A request inside the serving engine's core (cimport cism._requests): its
 # tokens, sampling state and resources, and the token-choosing jobs the
-# step runs in parallel (cism._engine).
+# step runs in parallel (cism._engine_step).
 from libc.stdint cimport int64_t
 from cism._checks cimport Params
 from cism._session cimport SeqCore, MAX_K

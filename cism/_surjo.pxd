@@ -4,9 +4,8 @@ from libc.stdint cimport uint8_t
 from cism._kernels cimport cism_mat
 from cism._attention cimport AttnWork
 from cism._kvcache cimport KV
-from cism._layers cimport Rope
 from cism._step cimport Stepper
-from cism._weights cimport WeightStore
+from cism._weights cimport ModelBase, WeightStore
 
 
 cdef struct Layer:
@@ -40,20 +39,13 @@ cdef struct Step:
 
 
 cdef struct ModelC:
-    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
+    ModelBase base             # sizes, embedding, head, final norm, rope, threads (cism/_weights.pxd)
     size_t v_heads, k_dim, v_dim, key_total, value_total, conv, fifo   # fifo = conv - 1
     size_t state_len           # floats of one GDN state incl. its FIFOs
-    float eps
     bint xsa_projection
     Layer *layer
     Step *plan
     size_t n_steps, n_slots, n_states
-    cism_mat embed
-    cism_mat head              # the embedding again when tied
-    const float *final_norm
-    Rope rope
-    int threads
-    bint act_q8
     bint kv_f16                # XSA slots hold binary16 (kv_precision "fp16")
 
 

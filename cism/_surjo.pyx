@@ -87,16 +87,7 @@ cdef class SurjoModel(WeightStore):
         arrays = self.load_weights(weights, weight_shapes(config, "lm_head.weight" in weights), config.tied)
 
         c = config
-        self.c.hidden = c.hidden
-        self.c.inter = c.intermediate
-        self.c.layers = c.layers
-        self.c.heads = c.heads
-        self.c.kv_heads = c.kv_heads
-        self.c.head_dim = c.head_dim
-        self.c.vocab = c.vocab
-        self.c.context = c.context
-        self.c.q_width = c.heads * c.head_dim
-        self.c.kv_width = c.kv_heads * c.head_dim
+        self.fill_base(&self.c.base, config)
         self.c.v_heads = c.gdn_v_heads
         self.c.k_dim = c.gdn_k_dim
         self.c.v_dim = c.gdn_v_dim
@@ -106,20 +97,13 @@ cdef class SurjoModel(WeightStore):
         self.c.fifo = c.conv_kernel - 1
         self.c.state_len = (c.gdn_v_heads * c.gdn_k_dim * c.gdn_v_dim
                             + (2 * c.key_total + c.value_total) * (c.conv_kernel - 1))
-        self.c.eps = c.eps
         self.c.xsa_projection = c.xsa_projection
-        self.c.threads = self.threads_
         self.c.layer = <Layer*>calloc(c.layers, sizeof(Layer))
         if self.c.layer == NULL:
             raise MemoryError("cannot allocate the layer table")
         self._build_plan()
 
-        self.c.embed = self.mat("model.embed_tokens.weight", arrays, embed)[0]
-        if c.tied:
-            self.c.head = self.c.embed
-        else:
-            self.c.head = self.mat("lm_head.weight", arrays, embed)[0]
-        self.c.final_norm = self.vec("model.norm.weight", arrays)
+        self.pack_ends(&self.c.base, arrays, embed, c.tied)
         layer_bytes = []
         cdef Layer *L
         for i in range(c.layers):
@@ -170,7 +154,7 @@ cdef class SurjoModel(WeightStore):
         head = self.matrices["model.embed_tokens.weight" if c.tied else "lm_head.weight"]
         self.stream_bytes_ = (head.nbytes + 4 * c.hidden
                               + sum(layer_bytes[self.c.plan[s].layer] for s in range(self.c.n_steps)))
-        self.build_rope(&self.c.rope, config.rope_theta, c.head_dim, c.context)
+        self.build_rope(&self.c.base.rope, config.rope_theta, c.head_dim, c.context)
         self.set_act_precision(act_precision)
 
     cdef _build_plan(self):
@@ -207,7 +191,7 @@ cdef class SurjoModel(WeightStore):
     # ---- properties ----
 
     cdef void apply_act_precision(self):
-        self.c.act_q8 = self.act_q8_
+        self.c.base.act_q8 = self.act_q8_
 
     @property
     def stream_bytes(self):
@@ -234,7 +218,7 @@ cdef class SurjoModel(WeightStore):
                 f"hidden={c.hidden}, precision={self.precision_!r}, "
                 f"act_precision={self.act_precision!r}, "
                 + (f"kv_precision={self.kv_precision_!r}, " if self.c.kv_f16 else "")
-                + f"threads={self.c.threads}, weight_bytes={self.weight_bytes_})")
+                + f"threads={self.c.base.threads}, weight_bytes={self.weight_bytes_})")
 
 
 # ----------------------------------------------------------- forward pass ---
@@ -249,12 +233,12 @@ cdef int work_reserve(Work *w, const ModelC *m, size_t T, size_t S, size_t n_out
                 or grow_f(&w.gg, T * vt) or grow_f(&w.go, T * vt)
                 or grow_f(&w.fmid, T * m.v_dim) or grow_f(&w.gmid, T * m.v_dim)):
             return -1
-    if S > w.a.score_cap or <size_t>m.threads > w.a.threads_cap:
+    if S > w.a.score_cap or <size_t>m.base.threads > w.a.threads_cap:
         w.a.score_cap = 0
-        if grow_f(&w.delta, m.threads * 2 * m.v_dim):
+        if grow_f(&w.delta, m.base.threads * 2 * m.v_dim):
             return -1
-    return attn_work_reserve(&w.a, T, S, n_out, m.hidden, m.inter, m.q_width, m.kv_width, m.head_dim,
-                             m.threads)
+    return attn_work_reserve(&w.a, T, S, n_out, m.base.hidden, m.base.inter, m.base.q_width, m.base.kv_width,
+                             m.base.head_dim, m.base.threads)
 
 
 cdef void work_free(Work *w) noexcept nogil:
@@ -288,22 +272,22 @@ cdef void xsa_qk_store(const ModelC *m, Work *w, const Layer *L, const KV *kv, s
                        size_t g, size_t pos, int tid) noexcept nogil:
     """Per-head q/k RMS norms, RoPE at pos, then token g's k and v into the slot."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t hd = m.head_dim, h
-    cdef float *q = w.a.q + g * m.q_width
-    cdef float *k = w.a.k + g * m.kv_width
-    head_norms(q, m.heads, hd, L.q_norm, m.eps)
-    head_norms(k, m.kv_heads, hd, L.k_norm, m.eps)
-    rope_rotate(&m.rope, pos, q, m.heads, k, m.kv_heads, w.a.rope + tid * hd)
-    for h in range(m.kv_heads):
-        kv_store(K, kv, slot, h, pos, k + h * hd, w.a.v + g * m.kv_width + h * hd)
+    cdef size_t hd = m.base.head_dim, h
+    cdef float *q = w.a.q + g * m.base.q_width
+    cdef float *k = w.a.k + g * m.base.kv_width
+    head_norms(q, m.base.heads, hd, L.q_norm, m.base.eps)
+    head_norms(k, m.base.kv_heads, hd, L.k_norm, m.base.eps)
+    rope_rotate(&m.base.rope, pos, q, m.base.heads, k, m.base.kv_heads, w.a.rope + tid * hd)
+    for h in range(m.base.kv_heads):
+        kv_store(K, kv, slot, h, pos, k + h * hd, w.a.v + g * m.base.kv_width + h * hd)
 
 
 cdef void xsa_project(const ModelC *m, Work *w, size_t g, size_t kvh, float *out) noexcept nogil:
     """a -= (a.v / max(v.v, 1e-4)) v for the attention output a (out) of a
     head of KV head kvh and token g's own value v of that head, the dot
     products in double (the spec's order)."""
-    cdef size_t hd = m.head_dim, j
-    cdef const float *vv = w.a.v + g * m.kv_width + kvh * hd
+    cdef size_t hd = m.base.head_dim, j
+    cdef const float *vv = w.a.v + g * m.base.kv_width + kvh * hd
     cdef double av = 0, vv2 = 0
     cdef float coef
     for j in range(hd):
@@ -322,8 +306,8 @@ cdef void xsa_attend(const ModelC *m, const cism_kernels *K, Work *w, const KV *
     of the slot (one query tile: cism._attention's, as the dense layers'),
     then (xsa_projection) the removal of each output's component along its
     token's own value vector of that KV head."""
-    cdef size_t hd = m.head_dim, QW = m.q_width, i
-    cdef size_t kvh = h // (m.heads // m.kv_heads)
+    cdef size_t hd = m.base.head_dim, QW = m.base.q_width, i
+    cdef size_t kvh = h // (m.base.heads // m.base.kv_heads)
     cdef float *out = w.a.att + g0 * QW + h * hd
     attend_tile(K, kv, slot, kvh, w.a.q + g0 * QW + h * hd, out, QW, nq, p0, 0, sc, &w.a.bad_score)
     if m.xsa_projection:
@@ -337,9 +321,9 @@ cdef void xsa_attend_group(const ModelC *m, const cism_kernels *K, Work *w, cons
     that share KV head kvh as one tile of queries (cism._attention), each
     head with exactly xsa_attend's arithmetic for it alone, then the
     projection of each head's output."""
-    cdef size_t hd = m.head_dim, G = m.heads // m.kv_heads, j
-    cdef float *out = w.a.att + g * m.q_width + kvh * G * hd
-    attend_group(K, kv, slot, kvh, w.a.q + g * m.q_width + kvh * G * hd, out, G, p, 0, sc, &w.a.bad_score)
+    cdef size_t hd = m.base.head_dim, G = m.base.heads // m.base.kv_heads, j
+    cdef float *out = w.a.att + g * m.base.q_width + kvh * G * hd
+    attend_group(K, kv, slot, kvh, w.a.q + g * m.base.q_width + kvh * G * hd, out, G, p, 0, sc, &w.a.bad_score)
     if m.xsa_projection:
         for j in range(G):
             xsa_project(m, w, g, kvh, out + j * hd)
@@ -403,7 +387,7 @@ cdef void gdn_gates(const ModelC *m, const cism_kernels *K, Work *w, const Layer
     K.silu(q, q, kt)
     K.silu(k, k, kt)
     K.silu(w.gv + g * vt, w.gv + g * vt, vt)
-    for h in range(m.heads):
+    for h in range(m.base.heads):
         l2norm(q + h * kd, kd)
         l2norm(k + h * kd, kd)
     K.sigmoid(w.gb + g * kt, w.gb + g * kt, kt)
@@ -425,7 +409,7 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
     of one sequence; where snap[t] is set, S after token t is copied there
     (snap_offset: this head's place in the sequence's state)."""
     cdef size_t kt = m.key_total, vt = m.value_total, kd = m.k_dim, dv = m.v_dim
-    cdef size_t kh = e // (m.v_heads // m.heads), t, i, j
+    cdef size_t kh = e // (m.v_heads // m.base.heads), t, i, j
     cdef float rscale = 1.0 / sqrtf(<float>kd)
     cdef float *r = scratch
     cdef float *d = scratch + dv
@@ -464,7 +448,7 @@ cdef void gdn_head(const ModelC *m, const cism_kernels *K, Work *w, const Layer 
             K.axpy(q[i], row, o, dv)
         for j in range(dv):
             o[j] = o[j] * rscale
-        rmsnorm(o, o, L.o_norm, dv, m.eps)
+        rmsnorm(o, o, L.o_norm, dv, m.base.eps)
         K.sigmoid_mul(w.gg + t * vt + e * dv, o, o, dv)
         if snap != NULL and snap[t] != NULL:
             memcpy(snap[t] + snap_offset, S, kd * dv * sizeof(float))
@@ -480,14 +464,14 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     Returns OK, CANCELLED, NOMEM, NONFINITE_SCORE (checked for every token,
     so also in a prompt chunk that wants no logits) or NONFINITE."""
     cdef const cism_kernels *K = kernel_table()
-    cdef size_t D = m.hidden, I = m.inter, QW = m.q_width, KW = m.kv_width, T = b.T
+    cdef size_t D = m.base.hidden, I = m.base.inter, QW = m.base.q_width, KW = m.base.kv_width, T = b.T
     cdef size_t KT = m.key_total, VT = m.value_total, DV = m.v_dim
     cdef size_t nbk = (KT + CONV_BLOCK - 1) // CONV_BLOCK
     cdef size_t nconv = 2 * nbk + (VT + CONV_BLOCK - 1) // CONV_BLOCK
-    cdef size_t S = 0, n_out = 0, ntiles, per_tile, items, group = m.heads // m.kv_heads, nq, h
+    cdef size_t S = 0, n_out = 0, ntiles, per_tile, items, group = m.base.heads // m.base.kv_heads, nq, h
     cdef size_t R = b.n_runs
     # threads per loop: the whole team only where the loop has the work for it
-    cdef int nt = m.threads
+    cdef int nt = m.base.threads
     cdef int ntT = team(nt, T, T * D)
     cdef int ntH
     cdef int ntC = team(nt, R * nconv, T * (2 * KT + VT) * m.conv)
@@ -500,7 +484,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     cdef const cism_mat *mats[7]
     cdef float *outs[7]
     cdef size_t lds[7]
-    cdef bint q8 = m.act_q8
+    cdef bint q8 = m.base.act_q8
     for r in range(R):
         if b.runs[r].pos + b.runs[r].n > S:
             S = b.runs[r].pos + b.runs[r].n
@@ -516,10 +500,10 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         for i in range(run.n_out):
             w.a.out_rows[run.out_row + i] = run.first + run.n - run.n_out + i
     ntiles = query_tiles(w.a.tile_of, w.a.seq_of, w.a.pos_of, T)
-    per_tile = m.kv_heads if nt == 1 or ntiles * m.kv_heads >= 2 * <size_t>nt else m.heads
+    per_tile = m.base.kv_heads if nt == 1 or ntiles * m.base.kv_heads >= 2 * <size_t>nt else m.base.heads
     items = ntiles * per_tile
-    ntH = team(nt, items, T * m.heads * S * m.head_dim)
-    embed_rows(&m.embed, b.tokens, T, w.a.x, D, ntT)
+    ntH = team(nt, items, T * m.base.heads * S * m.base.head_dim)
+    embed_rows(&m.base.embed, b.tokens, T, w.a.x, D, ntT)
     for si in range(m.n_steps):
         if skip != NULL and skip[si]:
             continue
@@ -528,7 +512,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         L = &m.layer[m.plan[si].layer]
         # mixer rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
-            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.input_norm, D, m.eps)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.input_norm, D, m.base.eps)
         if L.xsa:
             slot = m.plan[si].slot
             # q, k, v projections in one pass over their rows
@@ -548,7 +532,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
             for r in prange(items, num_threads=ntH, schedule='dynamic'):
                 g = w.a.tile_of[r % ntiles]
                 nq = (w.a.tile_of[r % ntiles + 1] if r % ntiles + 1 < ntiles else T) - g
-                if per_tile == m.heads:
+                if per_tile == m.base.heads:
                     xsa_attend(m, K, w, &kvs[w.a.seq_of[g]], slot, g, nq, r // ntiles, w.a.pos_of[g],
                                w.a.scores + threadid() * QTILE * w.a.score_cap)
                 elif nq == 1:
@@ -597,7 +581,7 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
         # residual, MLP rmsnorm
         for g in prange(T, num_threads=ntT, schedule='static'):
             add_into(w.a.x + g * D, w.a.proj + g * D, D)
-            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.post_norm, D, m.eps)
+            rmsnorm(w.a.x + g * D, w.a.xn + g * D, L.post_norm, D, m.base.eps)
         # SwiGLU: silu(gate) * up, then down, residual
         if swiglu(&L.gate, &L.up, &L.down, q8, w.a.xn, D, I, T, w.a.gate, w.a.up, w.a.proj, &w.a.qs, nt, ntT) != 0:
             return NOMEM
@@ -606,8 +590,8 @@ cdef int forward(const ModelC *m, Work *w, const StepBatch *b, const KV *kvs,
     if n_out == 0:
         return OK
     # final norm and head, only for the rows whose logits are wanted
-    rc = lm_head(&m.head, m.final_norm, m.eps, w.a.x, NULL, w.a.out_rows, n_out, D, m.vocab, q8, w.a.head_in,
-                 b.logits, &w.a.qs, nt)
+    rc = lm_head(&m.base.head, m.base.final_norm, m.base.eps, w.a.x, NULL, w.a.out_rows, n_out, D, m.base.vocab,
+                 q8, w.a.head_in, b.logits, &w.a.qs, nt)
     return OK if rc == 0 else (NOMEM if rc == -1 else NONFINITE)
 
 
@@ -623,7 +607,7 @@ cdef int state_alloc(State *st, const ModelC *m, size_t capacity) noexcept nogil
     if st.rec != NULL:
         return OK
     st.rec = <float*>calloc(m.n_states * m.state_len + 16, sizeof(float))
-    if (st.rec == NULL or kv_alloc(&st.kv, m.n_slots, capacity, m.kv_heads, m.head_dim,
+    if (st.rec == NULL or kv_alloc(&st.kv, m.n_slots, capacity, m.base.kv_heads, m.base.head_dim,
                                    slot_elem_bytes(m)) != 0):
         state_free(st)
         return NOMEM
@@ -649,11 +633,11 @@ cdef class SurjoStepper(Stepper):
     def __init__(self, SurjoModel model):
         Stepper.__init__(self, model)
         self.m = &model.c
-        self.vocab = model.c.vocab
+        self.vocab = model.c.base.vocab
         self.state_floats = model.c.n_states * model.c.state_len
         self.kv_layers = model.c.n_slots
-        self.kv_width = model.c.kv_width
-        self.head_dim = model.c.head_dim
+        self.kv_width = model.c.base.kv_width
+        self.head_dim = model.c.base.head_dim
         self.kv_dtype = np.dtype(np.float16 if model.c.kv_f16 else np.float32)
         self.bf16_prompts = False
 
@@ -669,16 +653,17 @@ cdef class SurjoStepper(Stepper):
                 self.kvs[r] = b.runs[r].kv[0]
             else:
                 kv_paged(&self.kvs[r], self.k_pages, self.v_pages, b.runs[r].blocks, self.n_pages,
-                         self.m.n_slots, self.m.kv_heads, self.m.head_dim, slot_elem_bytes(self.m))
+                         self.m.n_slots, self.m.base.kv_heads, self.m.base.head_dim, slot_elem_bytes(self.m))
         return forward(self.m, &self.w, b, self.kvs, self.skip)
 
 
 cdef object check_capacity(const ModelC *m, size_t prompt_len, size_t max_new):
     capacity = prompt_len + max_new
-    if capacity > m.context:
+    if capacity > m.base.context:
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
-                         f"({prompt_len} + {max_new} > {m.context})")
-    state_bytes = kv_cache_bytes(slot_elem_bytes(m), m.n_slots, capacity, m.kv_width) + 4 * m.n_states * m.state_len
+                         f"({prompt_len} + {max_new} > {m.base.context})")
+    state_bytes = (kv_cache_bytes(slot_elem_bytes(m), m.n_slots, capacity, m.base.kv_width)
+                   + 4 * m.n_states * m.state_len)
     if state_bytes > MAX_KV_BYTES:
         raise ValueError(f"KV cache exceeds the 8 GiB safety limit ({state_bytes} bytes of "
                          "XSA keys/values and GDN states)")

@@ -41,9 +41,9 @@ cdef class Session(DecodeSession):
         self.m = &model.c
         self.xs = SurjoStepper(model)
         self.stepper = self.xs
-        p = as_tokens(prompt, model.c.vocab)
+        p = as_tokens(prompt, model.c.base.vocab)
         check_capacity(self.m, len(p), check_count(max_new_tokens, "max_new_tokens"))
-        self.setup(p, 0, model.c.vocab, model.c.context, max_new_tokens, temperature, top_p,
+        self.setup(p, 0, model.c.base.vocab, model.c.base.context, max_new_tokens, temperature, top_p,
                    top_k, seed, eos, min_p, repetition_penalty)
         self.skip = <uint8_t*>calloc(self.m.n_steps + 1, 1)
         if self.skip == NULL:
@@ -133,10 +133,10 @@ cdef class Session(DecodeSession):
         if k > MAX_K:
             k = MAX_K
         if self.draft_logits == NULL:
-            self.draft_logits = <float*>malloc(self.m.vocab * sizeof(float))
+            self.draft_logits = <float*>malloc(self.m.base.vocab * sizeof(float))
             if self.draft_logits == NULL:
                 return NOMEM
-        self.cands[0] = <int64_t>argmax(self.s.logits, self.m.vocab)
+        self.cands[0] = <int64_t>argmax(self.s.logits, self.m.base.vocab)
         n = 1
         self.save_states(True)
         self.xs.skip = self.skip
@@ -147,7 +147,7 @@ cdef class Session(DecodeSession):
                             NULL, &self.cancelled)
             if rc != OK:
                 break
-            self.cands[n] = <int64_t>argmax(self.draft_logits, self.m.vocab)
+            self.cands[n] = <int64_t>argmax(self.draft_logits, self.m.base.vocab)
             n += 1
         self.xs.skip = NULL
         self.restore_states(True)

@@ -4,6 +4,20 @@ from libc.stdint cimport uint64_t
 from cism._kernels cimport cism_mat
 from cism._layers cimport Rope
 
+
+# What the C model struct of an attention family (dense, Surjo) starts with,
+# as its member `base`: the sizes its forward reads, the two ends of the
+# network, the rotary tables and the loop settings.
+cdef struct ModelBase:
+    size_t hidden, inter, layers, heads, kv_heads, head_dim, vocab, context, q_width, kv_width
+    float eps
+    cism_mat embed
+    cism_mat head              # the embedding again when tied
+    const float *final_norm
+    Rope rope
+    int threads
+    bint act_q8
+
 cdef class WeightStore:
     cdef readonly object config
     cdef str precision_
@@ -46,6 +60,10 @@ cdef class WeightStore:
     # pack (or keep) a named matrix / vector; pointers into what the store keeps
     cdef cism_mat* mat(self, name, dict arrays, storage) except NULL
     cdef const float* vec(self, name, dict arrays) except NULL
+    # a ModelBase's sizes, eps and threads from the config; its embedding,
+    # head and final norm packed (the head at `storage` unless tied)
+    cdef object fill_base(self, ModelBase *b, config)
+    cdef object pack_ends(self, ModelBase *b, dict arrays, storage, bint tied)
     # rotary tables (ROPE_TABLE_MAX positions), kept by the store
     cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=*, scale=*)
     # (families define session_class() and stepper_class(): the solo session

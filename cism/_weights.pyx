@@ -260,6 +260,28 @@ cdef class WeightStore:
         cdef cnp.ndarray a = self.add_vector(name, arrays[name])
         return <const float*>cnp.PyArray_DATA(a)
 
+    cdef object fill_base(self, ModelBase *b, config):
+        b.hidden = config.hidden
+        b.inter = config.intermediate
+        b.layers = config.layers
+        b.heads = config.heads
+        b.kv_heads = config.kv_heads
+        b.head_dim = config.head_dim
+        b.vocab = config.vocab
+        b.context = config.context
+        b.q_width = config.heads * config.head_dim
+        b.kv_width = config.kv_heads * config.head_dim
+        b.eps = config.eps
+        b.threads = self.threads_
+
+    cdef object pack_ends(self, ModelBase *b, dict arrays, storage, bint tied):
+        b.embed = self.mat("model.embed_tokens.weight", arrays, storage)[0]
+        if tied:
+            b.head = b.embed
+        else:
+            b.head = self.mat("lm_head.weight", arrays, storage)[0]
+        b.final_norm = self.vec("model.norm.weight", arrays)
+
     cdef object build_rope(self, Rope *r, theta, size_t head_dim, size_t context, divisors=None, scale=1.0):
         inv, cos_t, sin_t = rope_tables(theta, head_dim, context, ROPE_TABLE_MAX, divisors, scale)
         r.scale = <float>scale

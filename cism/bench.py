@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from cism import _kernels
+from cism import _bandwidth
 
 # Real model shapes, random weights (so benchmarks run anywhere).
 SHAPES = {
@@ -102,7 +102,7 @@ def random_model(shape, precision="fp32", threads=None, act_precision="fp32", se
 
 def read_bandwidth(threads, repeats=5):
     """Bytes per second the machine reads with this many threads."""
-    return _kernels.read_bandwidth(1 << 31, threads=threads, repeats=repeats)
+    return _bandwidth.read_bandwidth(1 << 31, threads=threads, repeats=repeats)
 
 
 def scan_bandwidth(model, repeats=5):
@@ -125,7 +125,7 @@ def roofline_bandwidth(model, repeats=5):
     read of one buffer (read_bandwidth of weight_bytes): the conservative
     ceiling for the roofline (on some hosts the scan of many matrices reads
     slower than decode streams them, which would put ratios over 100%)."""
-    same = _kernels.read_bandwidth(max(model.weight_bytes, 1 << 20), threads=model.thread_count,
+    same = _bandwidth.read_bandwidth(max(model.weight_bytes, 1 << 20), threads=model.thread_count,
                                    repeats=repeats)
     return max(scan_bandwidth(model, repeats), same)
 

@@ -148,7 +148,7 @@ def test_parts_and_threads(qtype):
     """ggml_decode splits the blocks into parts of whole blocks (65536 elements,
     256 K super-blocks) over OpenMP threads: every part boundary and thread
     count gives gguf-py's bits."""
-    from cism import _kernels
+    from cism.loaders._ggml_decode import ggml_decode
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(7)
     for elements in (block, 65536, 65536 + block, 3 * 65536 - 3 * block):
@@ -157,7 +157,7 @@ def test_parts_and_threads(qtype):
         want = oracle(raw, qtype)
         for threads in (1, 2, 3):
             out = np.full(elements, np.nan, np.float32)
-            _kernels.ggml_decode(int(qtype), raw.reshape(-1), out, threads)
+            ggml_decode(int(qtype), raw.reshape(-1), out, threads)
             assert same_bits(out, want), (elements, threads)
 
 

@@ -5,8 +5,6 @@ here from the shared corpora (no hub): last-word cloze sentences with four
 choices, and paragraphs scored by loglikelihood_rolling (word perplexity)."""
 import json
 import os
-import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,13 @@ import cism  # noqa: E402
 import cism.lm_eval  # noqa: E402,F401  (registers "cism")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
+
+from bench_scripts import load_script  # noqa: E402
+
+# the cloze task bench/evaluate.py times, built by the same code
+_common = load_script("bench_common")
+cloze_docs, cloze_sentences, write_choice_task = (_common.cloze_docs, _common.cloze_sentences,
+                                                  _common.write_choice_task)
 
 MAX_LENGTH = 128   # short windows, so the rolling task spans several per paragraph
 
@@ -56,43 +61,15 @@ def hf_dir(data_dir, tmp_path_factory):
     return out
 
 
-def _sentences(data_dir):
-    text = (data_dir / "corpora" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
-    text = re.sub(r"\s+", " ", text)
-    return [s for s in re.findall(r"[A-Z][^.!?\"]{30,160}[.]", text) if re.search(r" [a-z]+\.$", s)]
-
-
 @pytest.fixture(scope="module")
 def task_dir(data_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("tasks")
-    rng = random.Random(0)
-    sents = _sentences(data_dir)[:400:10]   # 40 questions
-    last = [s.rsplit(" ", 1)[1][:-1] for s in sents]
-    with open(d / "cloze.jsonl", "w") as f:
-        for s, word in zip(sents, last):
-            choices = [word] + rng.sample(sorted(set(last) - {word}), 3)
-            rng.shuffle(choices)
-            f.write(json.dumps({"context": s.rsplit(" ", 1)[0], "choices": [" " + c for c in choices],
-                                "label": choices.index(word)}) + "\n")
+    write_choice_task(d, "cism_cloze", cloze_docs(cloze_sentences(data_dir)[:400:10], 4))   # 40 questions
     paragraphs = (data_dir / "corpora" / "pride_and_prejudice.txt").read_text(encoding="utf-8").split("\n\n")
     paragraphs = [p.strip() for p in paragraphs if 300 < len(p) < 900][:6]
     with open(d / "paragraphs.jsonl", "w") as f:
         for p in paragraphs:
             f.write(json.dumps({"text": p}) + "\n")
-    (d / "cism_cloze.yaml").write_text(f"""task: cism_cloze
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {d / "cloze.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-target_delimiter: ""
-metric_list:
-  - metric: acc
-""")
     (d / "cism_paragraphs.yaml").write_text(f"""task: cism_paragraphs
 dataset_path: json
 dataset_kwargs:
@@ -218,7 +195,7 @@ def generate_task(task_dir):
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {task_dir / "cloze.jsonl"}
+    test: {task_dir / "cism_cloze.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{context}}}}"

@@ -610,7 +610,7 @@ def test_ggml_decode_parts_and_threads(qtype):
     """ggml_decode splits the blocks into parts over OpenMP threads: every
     part boundary (a part of 65536 elements, a last part of a few blocks)
     gives the one-thread bits, which are gguf-py's."""
-    from cism import _kernels
+    from cism.loaders._ggml_decode import ggml_decode
     gguf = gguf_py()
     Q, gguf_quantize, gguf_dequantize = gguf.GGMLQuantizationType, gguf.quants.quantize, gguf.quants.dequantize
     qtype = Q[qtype]
@@ -623,11 +623,11 @@ def test_ggml_decode_parts_and_threads(qtype):
         raw = np.ascontiguousarray(src).view(np.uint8).reshape(-1)
         for threads in (1, 2, 3):
             out = np.full(n, np.nan, np.float32)
-            _kernels.ggml_decode(int(qtype), raw, out, threads)
+            ggml_decode(int(qtype), raw, out, threads)
             assert same_bits(out, want.reshape(-1)), (n, threads)
     for bad in (0, 65):
         with pytest.raises(ValueError, match=r"threads must be in \[1, 64\], got " + str(bad)):
-            _kernels.ggml_decode(int(qtype), raw, out, bad)
+            ggml_decode(int(qtype), raw, out, bad)
 
 
 def test_gguf_loader_starts_no_python_thread(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def workload(rounds):
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from models import small_model
-    from cism import _kernels
+    from cism.loaders._ggml_decode import ggml_decode
     from cism.matrix import Matrix
 
     rng = np.random.default_rng(0)
@@ -110,7 +110,7 @@ def workload(rounds):
         raw = rng.integers(0, 256, 34 * 3000, dtype=np.uint8)
         raw[::34] = 0x3c   # Q8_0 blocks with finite scales
         raw[1::34] = 0
-        _kernels.ggml_decode(8, raw, np.empty(32 * 3000, np.float32), 2)
+        ggml_decode(8, raw, np.empty(32 * 3000, np.float32), 2)
     print("workload done")
 
 

@@ -133,8 +133,8 @@ def dequantize_into(type_id, raw, out, threads=1):
     OpenMP threads: the same bits whatever the count)."""
     if type_id not in DECODED:
         raise KeyError(type_id)
-    from cism import _kernels
-    _kernels.ggml_decode(type_id, raw, out, threads)
+    from cism.loaders._ggml_decode import ggml_decode
+    ggml_decode(type_id, raw, out, threads)
 
 
 def dequantize_into_reference(type_id, raw, out):
