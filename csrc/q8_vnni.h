@@ -110,15 +110,16 @@ ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t
             }
             _mm512_store_si512((void *)(o + 64 * u), v);
         }
-        /* blocks past the row are never issued; their scales stay 0. 16
-         * at a time (one by one they cost as much as the unpack). */
+        /* blocks past the row are never issued; their scales stay 0 */
+        if (S == CISM_INT4) {
+            for (size_t b = 0; b < ldc; b++) cw[m * ldc + b] = b < blocks ? cism_int4_scale(row, so, b) : 0.0f;
+            continue;
+        }
+        /* fp4's 16 at a time (one by one they cost as much as the unpack) */
         for (size_t b = 0; b < ldc; b += 16) {
             const __mmask16 in = b >= blocks ? 0 : blocks - b >= 16 ? 0xffff : (__mmask16)((1u << (blocks - b)) - 1);
             const __mmask16 st = ldc - b >= 16 ? 0xffff : (__mmask16)((1u << (ldc - b)) - 1);
-            __m512 c;
-            if (S == CISM_INT4) {
-                c = _mm512_maskz_loadu_ps(in, row + so + 4 * b); /* cism_int4_scale's floats */
-            } else {
+            {
                 /* e4m3 s.eeee.mmm as the half s.0eeee.mmm0000000 is the same
                  * value / 2^8, exactly (subnormals too): e4m3_half's values,
                  * its zeroed NaN codes aside (a gather or one-by-one stores
@@ -128,9 +129,9 @@ ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t
                                                   _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80)));
                 const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)),
                                                               _mm256_set1_epi16(0x7f));
-                c = _mm512_maskz_mul_ps((__mmask16)~nan, _mm512_cvtph_ps(h), _mm512_set1_ps(128.0f));
+                const __m512 c = _mm512_maskz_mul_ps((__mmask16)~nan, _mm512_cvtph_ps(h), _mm512_set1_ps(128.0f));
+                _mm512_mask_storeu_ps(cw + m * ldc + b, st, c);
             }
-            _mm512_mask_storeu_ps(cw + m * ldc + b, st, c);
         }
     }
 }
