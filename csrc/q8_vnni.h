@@ -99,23 +99,40 @@ ALWAYS_INLINE void nib_unpack16(const int S, const cism_mat *W, size_t r, size_t
             if (S == CISM_INT4) {
                 v = int4_unit(1, row, u);
             } else {
-                /* byte k: elements 2k (low nibble), 2k + 1 (high): interleave */
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                /* byte k holds elements 2k (low nibble), 2k + 1 (high): as
+                 * words, (x | x << 4) & 0x0f0f puts them in bytes 2k, 2k + 1
+                 * (half the shuffles of interleaving two nibble vectors) */
+                const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * u)));
                 const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cism_e2m1_x2));
-                /* (Q8_LUT16 reads only an index's low nibble) */
-                const __m256i lo = x, hi = _mm256_srli_epi16(x, 4);
-                /* [0-15 | 32-47] and [16-31 | 48-63] -> element order */
-                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)),
-                                                     _mm256_unpackhi_epi8(lo, hi), 1);
-                const __m512i nib = _mm512_shuffle_i64x2(z, z, 0xd8);
+                const __m512i nib = _mm512_ternarylogic_epi32(x, _mm512_slli_epi16(x, 4),
+                                                              _mm512_set1_epi16(0x0f0f), 0xa8); /* (x | y) & m */
                 v = Q8_LUT16(table, nib);
             }
             _mm512_store_si512((void *)(o + 64 * u), v);
         }
         /* blocks past the row are never issued; their scales stay 0 */
-        for (size_t b = 0; b < ldc; b++)
-            cw[m * ldc + b] = b >= blocks ? 0.0f
-                              : S == CISM_INT4 ? cism_int4_scale(row, so, b) : e4m3_half[row[so + b]];
+        if (S == CISM_INT4) {
+            for (size_t b = 0; b < ldc; b++) cw[m * ldc + b] = b < blocks ? cism_int4_scale(row, so, b) : 0.0f;
+            continue;
+        }
+        /* fp4's 16 at a time (one by one they cost as much as the unpack) */
+        for (size_t b = 0; b < ldc; b += 16) {
+            const __mmask16 in = b >= blocks ? 0 : blocks - b >= 16 ? 0xffff : (__mmask16)((1u << (blocks - b)) - 1);
+            const __mmask16 st = ldc - b >= 16 ? 0xffff : (__mmask16)((1u << (ldc - b)) - 1);
+            {
+                /* e4m3 s.eeee.mmm as the half s.0eeee.mmm0000000 is the same
+                 * value / 2^8, exactly (subnormals too): e4m3_half's values,
+                 * its zeroed NaN codes aside (a gather or one-by-one stores
+                 * stalled the loop) */
+                const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(in, row + so + b));
+                const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16((short)0x8000)),
+                                                  _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80)));
+                const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)),
+                                                              _mm256_set1_epi16(0x7f));
+                const __m512 c = _mm512_maskz_mul_ps((__mmask16)~nan, _mm512_cvtph_ps(h), _mm512_set1_ps(128.0f));
+                _mm512_mask_storeu_ps(cw + m * ldc + b, st, c);
+            }
+        }
     }
 }
 
