@@ -776,6 +776,18 @@ ALWAYS_INLINE void store_rows16(const __m512 acc[16], size_t rn, size_t tn, floa
     for (size_t n = 0; n < tn; n++) _mm512_mask_storeu_ps(Y + (t0 + n) * ldy + r, mask, _mm512_castsi512_ps(out[n]));
 }
 
+/* A tokens-in-lanes pass's results, buf[q][i] = row r + i's 16 tokens of
+ * group g + q (rn rows, G groups), written to Y token-major. */
+ALWAYS_INLINE void store_groups16(float buf[2][16][16], size_t G, size_t rn, size_t g, size_t T, float *Y,
+                                  size_t ldy, size_t r) {
+    for (size_t q = 0; q < G; q++) {
+        __m512 rowsv[16];
+        for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
+        const size_t t0 = 16 * (g + q);
+        store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
+    }
+}
+
 /* ---- ggml K-quants x q8, several tokens: tokens in lanes ----
  *
  * From TQ_MIN_TOKENS tokens on, as for the other integer storages: the
@@ -1027,12 +1039,7 @@ ALWAYS_INLINE void gemm_kq8_tq_tpl(const int S, const cism_mat *W, size_t r0, si
                 for (size_t i = 0; i < R; i++)
                     for (size_t q = 0; q < G; q++) _mm512_store_ps(buf[q][i0 + i], acc[i][q]);
             }
-            for (size_t q = 0; q < G; q++) {
-                __m512 rowsv[16];
-                for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
-                const size_t t0 = 16 * (g + q);
-                store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
-            }
+            store_groups16(buf, G, rn, g, T, Y, ldy, r);
         }
     }
     cism_scratch_put(mem);

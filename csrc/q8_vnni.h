@@ -294,12 +294,7 @@ ALWAYS_INLINE void gemm_tq8_tpl(const int S, const cism_mat *W, size_t r0, size_
                                         ? _mm512_mul_ps(acc[i][q], _mm512_set1_ps(W->scales[r + i0 + i]))
                                         : acc[i][q]);
             }
-            for (size_t q = 0; q < G; q++) {
-                __m512 rowsv[16];
-                for (size_t i = 0; i < 16; i++) rowsv[i] = i < rn ? _mm512_load_ps(buf[q][i]) : _mm512_setzero_ps();
-                const size_t t0 = 16 * (g + q);
-                store_rows16(rowsv, rn, T - t0 < 16 ? T - t0 : 16, Y, ldy, t0, r);
-            }
+            store_groups16(buf, G, rn, g, T, Y, ldy, r);
         }
     }
     cism_scratch_put(mem);
