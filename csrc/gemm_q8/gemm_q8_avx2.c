@@ -47,6 +47,20 @@ ALWAYS_INLINE __m256i block_sums8(const __m256i v[8]) {
     return _mm256_add_epi32(e, o);
 }
 
+/* Block b of tokens t .. t + TT - 1: a[j] their q8 bytes, aa[j] the bytes'
+ * magnitudes (dot4_i8's operands); returns their scales, lane p = token
+ * p % TT (dot p = i * TT + j). */
+ALWAYS_INLINE __m256 act_block8(const cism_act *A, size_t t, const int TT, size_t b, __m256i a[8], __m256i aa[8]) {
+    float sc[8];
+    for (int j = 0; j < TT; j++) {
+        a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 32 * b));
+        aa[j] = _mm256_abs_epi8(a[j]);
+        sc[j] = A->qscale[(t + j) * A->ldqs + b];
+    }
+    return _mm256_setr_ps(sc[0 % TT], sc[1 % TT], sc[2 % TT], sc[3 % TT], sc[4 % TT], sc[5 % TT], sc[6 % TT],
+                          sc[7 % TT]);
+}
+
 /* An R x TT tile of int8 x q8 dots (R * TT <= 8), one accumulator lane per
  * dot (the canonical chain over blocks): dot p = i * TT + j in lane p. */
 ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_t r, size_t rs,
@@ -58,19 +72,12 @@ ALWAYS_INLINE void tile_i8q8(const int R, const int TT, const cism_mat *W, size_
     for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
     for (size_t b = 0; b < blocks; b++) {
         __m256i a[8], aa[8], v[8];
-        float sc[8];
-        for (int j = 0; j < TT; j++) {
-            a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 32 * b));
-            aa[j] = _mm256_abs_epi8(a[j]);
-            sc[j] = A->qscale[(t + j) * A->ldqs + b];
-        }
+        const __m256 s = act_block8(A, t, TT, b, a, aa);
         for (int i = 0; i < R; i++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(rows[i] + 32 * b));
             for (int j = 0; j < TT; j++) v[i * TT + j] = dot4_i8(aa[j], a[j], w);
         }
         for (int p = P; p < 8; p++) v[p] = _mm256_setzero_si256();
-        const __m256 s = _mm256_setr_ps(sc[0 % TT], sc[1 % TT], sc[2 % TT], sc[3 % TT], sc[4 % TT], sc[5 % TT],
-                                        sc[6 % TT], sc[7 % TT]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums8(v)), s, acc);
     }
     float out[8];
@@ -115,19 +122,12 @@ ALWAYS_INLINE void tile_nq8(const int S, const int R, const int TT, const cism_m
     for (int i = 0; i < R; i++) rows[i] = (const uint8_t *)W->codes + (r + i * rs) * W->row_bytes;
     for (size_t u = 0; u < units; u++) {
         __m256i a[8], aa[8], v[8];
-        float sc[8];
-        for (int j = 0; j < TT; j++) {
-            a[j] = _mm256_loadu_si256((const __m256i *)(A->q8 + (t + j) * A->ldq + 32 * u));
-            aa[j] = _mm256_abs_epi8(a[j]);
-            sc[j] = A->qscale[(t + j) * A->ldqs + u];
-        }
+        const __m256 ca = act_block8(A, t, TT, u, a, aa);
         for (int i = 0; i < R; i++) {
             const __m256i w = nib_unit_i8(S, rows[i], u);
             for (int j = 0; j < TT; j++) v[i * TT + j] = dot4_i8(aa[j], a[j], w);
         }
         for (int p = P; p < 8; p++) v[p] = _mm256_setzero_si256();
-        const __m256 ca = _mm256_setr_ps(sc[0 % TT], sc[1 % TT], sc[2 % TT], sc[3 % TT], sc[4 % TT], sc[5 % TT],
-                                         sc[6 % TT], sc[7 % TT]);
         if (S == CISM_INT4) {
             float ws[8];
             for (int i = 0; i < R; i++) ws[i] = cism_int4_scale(rows[i], so, u);
